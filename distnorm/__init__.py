@@ -1,0 +1,39 @@
+"""distnorm: synchronized CBN / POP-Norm / BatchNorm with AMAT, and BNP, for data-parallel PyTorch.
+
+Quick start::
+
+    import distnorm
+    norm = distnorm.CBN(64)              # synchronized across ranks when distributed
+    distnorm.set_lr(model, lr)           # AMAT follows the optimizer's learning rate
+    distnorm.check_consistency(model)    # buffers are bit-identical on every rank
+
+``import distnorm`` needs only torch; integrations are imported lazily.
+"""
+
+from distnorm import functional
+from distnorm._debug import debug
+from distnorm.consistency import check_consistency
+from distnorm.errors import (
+    CollectiveMismatchError,
+    DistNormError,
+    InconsistentStateError,
+    NonFiniteStatisticsError,
+)
+from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CBN",
+    "POPNorm",
+    "SyncBatchNorm",
+    "set_lr",
+    "name_layers",
+    "check_consistency",
+    "debug",
+    "functional",
+    "DistNormError",
+    "InconsistentStateError",
+    "CollectiveMismatchError",
+    "NonFiniteStatisticsError",
+]

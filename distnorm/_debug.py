@@ -1,0 +1,48 @@
+"""Debug mode: extra checks that cost a host synchronisation, off by default.
+
+Turned on by the environment variable ``DISTNORM_DEBUG=1`` (read at import) or at run time
+with :func:`distnorm.debug`. When on, every synchronized layer
+
+* fingerprints its collective slot (layer name, phase, channel count, dtype) across ranks
+  before the statistics collective and raises :class:`~distnorm.errors.CollectiveMismatchError`
+  if ranks disagree, instead of reducing unrelated tensors or hanging;
+* raises :class:`~distnorm.errors.NonFiniteStatisticsError` on NaN/Inf batch statistics;
+* raises ``ValueError`` when a training batch has at most one value per channel globally.
+
+Every check is evaluated on values that are identical on all ranks (results of the same
+all-reduce), so when one rank raises, every rank raises: nobody is left in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["debug", "is_debug"]
+
+_ENABLED = os.environ.get("DISTNORM_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def debug(enabled: bool | None = None) -> bool:
+    """Query or set distnorm's debug mode.
+
+    Args:
+        enabled: ``True``/``False`` to switch debug mode on/off; ``None`` to only query.
+
+    Returns:
+        The previous setting (the current one when ``enabled`` is ``None``).
+
+    Example:
+        >>> import distnorm
+        >>> previous = distnorm.debug(True)
+        >>> _ = distnorm.debug(previous)
+    """
+    global _ENABLED
+    previous = _ENABLED
+    if enabled is not None:
+        _ENABLED = bool(enabled)
+    return previous
+
+
+def is_debug() -> bool:
+    """Whether debug mode is on."""
+    return _ENABLED

@@ -1,0 +1,168 @@
+"""Prove that state which must be identical on every rank is identical.
+
+distnorm computes every buffer (running / AMAT statistics, BNP moments) from all-reduced
+statistics, so the buffers stay bit-identical across ranks without ``broadcast_buffers``.
+:func:`check_consistency` verifies that at any time, cheaply:
+
+1. one fixed-size all-reduce compares a hash of the buffer names, dtypes and shapes (so a
+   structural mismatch is reported, not turned into a hang by differently sized tensors);
+2. one all-reduce of a 64-bit fingerprint of the bits of every buffer;
+3. only if some fingerprints differ: the divergent buffers are gathered and compared
+   exactly, and the error names each buffer and the groups of ranks that agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distnorm import _collectives
+from distnorm._collectives import ProcessGroup
+from distnorm.errors import InconsistentStateError
+
+__all__ = ["check_consistency", "consistent_tensors", "InconsistentStateError"]
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GOLDEN = 0x9E3779B1  # odd multiplier: a position-dependent weight for every element
+
+
+def consistent_tensors(model: nn.Module, *, parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The ``(qualified name, tensor)`` pairs that must match across ranks.
+
+    Every buffer of a distnorm layer, the buffers a module lists in its
+    ``_distnorm_buffers`` attribute (BNP's moments), and with ``parameters=True`` every
+    parameter of ``model``.
+    """
+    from distnorm.layers import _DistNormLayer  # local import: layers imports this package
+
+    found: list[tuple[str, torch.Tensor]] = []
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(module, _DistNormLayer):
+            names = [n for n, b in module.named_buffers(recurse=False) if b is not None]
+        else:
+            names = list(getattr(module, "_distnorm_buffers", ()))
+        for name in names:
+            buf = module._buffers.get(name)
+            if buf is not None:
+                found.append((dot + name, buf))
+    if parameters:
+        found.extend(model.named_parameters())
+    return found
+
+
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A 64-bit, position-sensitive checksum of the bits of ``t`` (0-dim int64)."""
+    flat = t.detach().reshape(-1)
+    bits = flat.view(_INT_VIEW[flat.element_size()]).to(torch.int64)
+    weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) * _GOLDEN + 1
+    return (bits * weights).sum()
+
+
+def _rank_groups(values: list[torch.Tensor], ranks: list[int]) -> list[list[int]]:
+    """Partition ``ranks`` into groups holding bit-identical ``values``."""
+    groups: list[tuple[torch.Tensor, list[int]]] = []
+    for rank, value in zip(ranks, values):
+        for ref, members in groups:
+            if ref.shape == value.shape and ref.dtype == value.dtype and torch.equal(
+                ref.reshape(-1).view(_INT_VIEW[ref.element_size()]),
+                value.reshape(-1).view(_INT_VIEW[value.element_size()]),
+            ):
+                members.append(rank)
+                break
+        else:
+            groups.append((value, [rank]))
+    return [members for _, members in groups]
+
+
+def _all_agree(value: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Element-wise: does every rank hold the same int64 ``value``? (one MAX all-reduce)"""
+    probe = torch.cat([value, torch.bitwise_not(value)])
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    k = value.numel()
+    return (probe[:k] == value) & (probe[k:] == torch.bitwise_not(value))
+
+
+def check_consistency(
+    model: nn.Module,
+    process_group: ProcessGroup | None = None,
+    *,
+    parameters: bool = False,
+) -> int:
+    """Raise :class:`InconsistentStateError` unless distnorm's buffers match on every rank.
+
+    Collective: every rank of ``process_group`` must call it at the same point. A no-op
+    returning the count when not distributed.
+
+    Args:
+        model: the model (wrapped by DDP or an engine, or not).
+        process_group: ranks to compare (default: the default group).
+        parameters: also compare every parameter (catches diverged replicas).
+
+    Returns:
+        The number of tensors compared.
+
+    Raises:
+        InconsistentStateError: naming each divergent tensor and the ranks that disagree.
+
+    Example:
+        >>> import torch, distnorm
+        >>> distnorm.check_consistency(torch.nn.Sequential(distnorm.CBN(4)))
+        6
+    """
+    from distnorm.layers import name_layers
+
+    name_layers(model)
+    named = consistent_tensors(model, parameters=parameters)
+    group = _collectives.sync_group(process_group)
+    if group is None:
+        return len(named)
+    device = named[0][1].device if named else torch.device("cpu")
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    ranks = _collectives.group_ranks(group)
+
+    layout = "\n".join(f"{n}:{t.dtype}:{tuple(t.shape)}" for n, t in named)
+    structure = torch.tensor([_collectives.stable_hash(layout)], dtype=torch.int64, device=device)
+    if not bool(_all_agree(structure, group).all()):
+        layouts: list[str | None] = [None] * len(ranks)
+        dist.all_gather_object(layouts, layout, group=group)
+        counts = ", ".join(f"rank {r}: {len((s or '').splitlines())} tensors" for r, s in zip(ranks, layouts))
+        raise InconsistentStateError(
+            "ranks hold differently structured models (buffer names, dtypes or shapes differ: "
+            f"{counts}); every rank must build the same model with the same distnorm config"
+        )
+    if not named:
+        return 0
+
+    sums = torch.stack([_fingerprint(t).to(device) for _, t in named])
+    agree = _all_agree(sums, group)
+    if bool(agree.all()):
+        return len(named)
+
+    suspects = [named[i] for i in (~agree).nonzero().flatten().tolist()]
+    gathered: list[dict[str, torch.Tensor] | None] = [None] * len(ranks)
+    dist.all_gather_object(gathered, {n: t.detach().cpu() for n, t in suspects}, group=group)
+    mismatches: dict[str, list[list[int]]] = {}
+    lines = []
+    for name, _ in suspects:
+        groups = _rank_groups([g[name] for g in gathered], ranks)  # type: ignore[index]
+        if len(groups) > 1:
+            mismatches[name] = groups
+            ref = gathered[0][name].double()  # type: ignore[index]
+            worst = max(
+                (gathered[ranks.index(m[0])][name].double() - ref).abs().max().item()  # type: ignore[index]
+                for m in groups[1:]
+            )
+            lines.append(f"  {name}: ranks {' | '.join(map(str, groups))} (max |diff| vs rank {ranks[0]}: {worst:.3g})")
+    if not mismatches:  # fingerprints disagreed but bits agree: impossible unless memory changed
+        return len(named)
+    raise InconsistentStateError(
+        f"{len(mismatches)} tensor(s) differ across ranks (groups of ranks that agree):\n"
+        + "\n".join(lines)
+        + "\nBuffers of distnorm layers are computed from all-reduced statistics and must be "
+        "bit-identical; a difference means a rank changed them outside distnorm (a load, a "
+        "manual edit, a layer run with sync=False) or ran a different model.",
+        mismatches,
+    )

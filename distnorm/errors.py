@@ -1,0 +1,42 @@
+"""Exceptions raised by distnorm.
+
+Each names what went wrong and where (layer, buffer, rank), so a failing multi-node run
+says what to fix instead of hanging or drifting.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistNormError",
+    "InconsistentStateError",
+    "CollectiveMismatchError",
+    "NonFiniteStatisticsError",
+]
+
+
+class DistNormError(RuntimeError):
+    """Base class of distnorm's runtime errors."""
+
+
+class InconsistentStateError(DistNormError):
+    """Buffers that must be bit-identical on every rank are not.
+
+    Raised by :func:`distnorm.check_consistency`. ``mismatches`` maps each divergent
+    buffer's qualified name to the groups of ranks that agree with one another.
+    """
+
+    def __init__(self, message: str, mismatches: dict[str, list[list[int]]] | None = None):
+        super().__init__(message)
+        self.mismatches = mismatches or {}
+
+
+class CollectiveMismatchError(DistNormError):
+    """Ranks entered the same collective from different layers, shapes or dtypes.
+
+    Only detected in debug mode (``DISTNORM_DEBUG=1`` or ``distnorm.debug(True)``), which
+    adds one small fingerprint collective before each statistics collective.
+    """
+
+
+class NonFiniteStatisticsError(DistNormError, FloatingPointError):
+    """A normalization layer produced NaN/Inf batch statistics (debug mode only)."""

@@ -1,0 +1,216 @@
+"""Stateless functional forms of distnorm's layers.
+
+Like ``torch.nn.functional.batch_norm``, these take the parameters and buffers as
+arguments and update the buffers in place when ``training`` is true. The modules in
+:mod:`distnorm.layers` own the state and call these.
+
+Synchronization: pass ``process_group`` (``None`` = default group). The functions reduce
+over it only when ``torch.distributed`` is initialised and the group has more than one
+rank; ``sync=False`` forces local statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distnorm import _collectives
+from distnorm._collectives import ProcessGroup
+from distnorm._functions import CompleteNormFunction, SyncBatchNormFunction, channel_affine
+
+__all__ = ["amat_eta", "cbn", "pop_norm", "sync_batch_norm"]
+
+EVAL_STATS = ("amat", "running")
+
+
+def amat_eta(lr: float, omega: float) -> float:
+    """AMAT's history weight ``eta = clip(1 - omega * lr, 0, 1)`` (paper 002, Eq. 9)."""
+    return min(max(1.0 - omega * lr, 0.0), 1.0)
+
+
+def _check_input(x: torch.Tensor, num_features: int, layer: str) -> None:
+    """Shape/dtype validation, raised before any collective so every rank raises alike."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{layer}: expected a torch.Tensor input, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{layer}: expected a floating-point input, got dtype {x.dtype}")
+    if not 2 <= x.dim() <= 5:
+        raise ValueError(
+            f"{layer}: expected a 2-D to 5-D input (N, C), (N, C, L), (N, C, H, W) or "
+            f"(N, C, D, H, W), got shape {tuple(x.shape)}"
+        )
+    if x.shape[1] != num_features:
+        raise ValueError(
+            f"{layer}: expected {num_features} channels in dim 1, got input of shape "
+            f"{tuple(x.shape)}; construct the layer with num_features={x.shape[1]} or fix the "
+            "preceding layer"
+        )
+
+
+def _channels(x: torch.Tensor) -> int:
+    return x.shape[1] if x.dim() >= 2 else -1
+
+
+def _check_local_batch(x: torch.Tensor, layer: str) -> None:
+    # Without synchronization the batch is all there is: one value per channel has no
+    # variance (PyTorch raises the same error).
+    if x.numel() // x.shape[1] <= 1:
+        raise ValueError(
+            f"{layer}: expected more than 1 value per channel when training, got input of "
+            f"shape {tuple(x.shape)}; increase the batch size or put the model in eval() mode"
+        )
+
+
+def sync_batch_norm(
+    x: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    num_batches_tracked: torch.Tensor | None = None,
+    *,
+    training: bool = True,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+    process_group: ProcessGroup | None = None,
+    sync: bool = True,
+    layer: str = "sync_batch_norm",
+) -> torch.Tensor:
+    """Batch normalization whose training statistics span every rank of ``process_group``.
+
+    ``y = (x - mean) / sqrt(var + eps) * weight + bias`` with the global batch mean and
+    biased variance in training, the running statistics in evaluation (when given).
+
+    Example:
+        >>> x = torch.randn(8, 3, 4, 4)
+        >>> rm, rv = torch.zeros(3), torch.ones(3)
+        >>> sync_batch_norm(x, rm, rv).shape
+        torch.Size([8, 3, 4, 4])
+    """
+    expected = weight if weight is not None else running_mean
+    _check_input(x, expected.shape[0] if expected is not None else _channels(x), layer)
+    use_batch_stats = training or running_mean is None or running_var is None
+    if not use_batch_stats:
+        return torch.batch_norm(
+            x, weight, bias, running_mean, running_var, False, 0.0, eps, torch.backends.cudnn.enabled
+        )
+    group = _collectives.sync_group(process_group) if (sync and training) else None
+    if group is None:
+        _check_local_batch(x, layer)
+    if not training:  # batch statistics at evaluation: leave the running buffers alone
+        running_mean = running_var = num_batches_tracked = None
+    return SyncBatchNormFunction.apply(
+        x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, group, layer
+    )
+
+
+def cbn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    amat_mean: torch.Tensor,
+    amat_var: torch.Tensor,
+    amat_initialized: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    num_batches_tracked: torch.Tensor,
+    *,
+    training: bool = True,
+    eta: float = 0.0,
+    rho: float = 1.0,
+    eps: float = 1e-5,
+    momentum: float | None = 0.1,
+    r_max: float = 3.0,
+    eval_stats: str = "amat",
+    process_group: ProcessGroup | None = None,
+    sync: bool = True,
+    layer: str = "cbn",
+) -> torch.Tensor:
+    """Complete batch normalization with AMAT (paper 002; SPEC §1).
+
+    Training: ``y = (gamma/rho) * (x - mu_U + beta) / sqrt(var_U + eps)`` where
+    ``mu_U = eta*mu_A + (1-eta)*mu_B`` and ``var_U = eta*var_A + (1-eta)*mean(x1^2)`` blend
+    the AMAT averages with the (global) batch statistics; the AMAT, running and
+    ``num_batches_tracked`` buffers are updated in place. ``eta = 0`` gives no history.
+
+    Evaluation with ``eval_stats="amat"``:
+    ``y = (gamma/rho) * (x - mu_A + beta) / sqrt(var_A + eps)``; with ``"running"``:
+    ``y = (gamma/rho) * (x - running_mean + beta) / sqrt(running_var + beta^2 + eps)``.
+
+    Example:
+        >>> c = 3
+        >>> state = [torch.zeros(c), torch.ones(c), torch.tensor(False),
+        ...          torch.zeros(c), torch.ones(c), torch.tensor(0)]
+        >>> y = cbn(torch.randn(8, c), torch.ones(c), torch.zeros(c), *state, eta=0.5)
+        >>> y.shape
+        torch.Size([8, 3])
+    """
+    _check_input(x, weight.shape[0], layer)
+    if not training:
+        return _cbn_inference(x, weight, bias, amat_mean, amat_var, running_mean, running_var,
+                              rho=rho, eps=eps, eval_stats=eval_stats, layer=layer)
+    group = _collectives.sync_group(process_group) if sync else None
+    if group is None:
+        _check_local_batch(x, layer)
+    return CompleteNormFunction.apply(
+        x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
+        num_batches_tracked, float(eta), float(rho), float(eps), momentum, float(r_max), group, layer,
+    )
+
+
+def _cbn_inference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    amat_mean: torch.Tensor,
+    amat_var: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    *,
+    rho: float,
+    eps: float,
+    eval_stats: str,
+    layer: str,
+) -> torch.Tensor:
+    """CBN at evaluation: a per-channel affine map, differentiable in x, gamma and beta."""
+    acc = _collectives.accumulate_dtype(x)
+    gamma, beta = weight.to(acc), bias.to(acc)
+    if eval_stats == "amat":
+        mean, var = amat_mean.to(acc), amat_var.to(acc)
+    elif eval_stats == "running":
+        # For a centred x, E[(x - mu + beta)^2] = var + beta^2 (SPEC §1, eval mode).
+        mean, var = running_mean.to(acc), running_var.to(acc) + beta * beta
+    else:
+        raise ValueError(f"{layer}: eval_stats must be one of {EVAL_STATS}, got {eval_stats!r}")
+    scale = gamma / rho * torch.rsqrt(var + eps)
+    return channel_affine(x, scale, scale * (beta - mean))
+
+
+def pop_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    amat_mean: torch.Tensor,
+    amat_var: torch.Tensor,
+    amat_initialized: torch.Tensor,
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    num_batches_tracked: torch.Tensor,
+    *,
+    training: bool = True,
+    kappa: float = 4.0,
+    eps: float = 1e-5,
+    momentum: float | None = 0.1,
+    eval_stats: str = "running",
+    process_group: ProcessGroup | None = None,
+    sync: bool = True,
+    layer: str = "pop_norm",
+) -> torch.Tensor:
+    """POP-Norm (papers 000/001; SPEC §2): CBN without AMAT and with ``rho = kappa``.
+
+    ``y = (gamma/kappa) * (x - mu_B + beta) / sqrt(mean((x - mu_B + beta)^2) + eps)``.
+    """
+    return cbn(
+        x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
+        num_batches_tracked, training=training, eta=0.0, rho=kappa, eps=eps, momentum=momentum,
+        eval_stats=eval_stats, process_group=process_group, sync=sync, layer=layer,
+    )

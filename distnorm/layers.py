@@ -1,0 +1,397 @@
+"""Synchronized normalization layers: :class:`CBN`, :class:`POPNorm`, :class:`SyncBatchNorm`.
+
+The modules own parameters and buffers and decide whether to synchronize; the mathematics
+and the collectives live in :mod:`distnorm.functional` / :mod:`distnorm._functions` /
+:mod:`distnorm._collectives`.
+
+Every layer accepts ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` and ``(N, C, D, H, W)``
+inputs, channels_last inputs, and fp16/bf16 inputs (statistics in float32, output in the
+input dtype). Buffers stay float32 even after ``model.half()``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from distnorm import functional as F
+from distnorm._collectives import ProcessGroup
+
+__all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "name_layers"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_positive(owner: str, name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{owner}: {name} must be a positive finite number, got {value!r}")
+
+
+def _check_momentum(owner: str, momentum: float | None) -> None:
+    if momentum is not None and not (isinstance(momentum, (int, float)) and 0.0 <= momentum <= 1.0):
+        raise ValueError(f"{owner}: momentum must be in [0, 1] or None (cumulative average), got {momentum!r}")
+
+
+def _check_num_features(owner: str, num_features: int) -> None:
+    if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
+        raise ValueError(f"{owner}: num_features must be a positive int, got {num_features!r}")
+
+
+class _DistNormLayer(nn.Module):
+    """Shared behaviour: a readable name for errors, float32 buffers under ``.half()``."""
+
+    num_features: int
+    #: Qualified name in the model (set by :func:`name_layers`, :func:`set_lr`, conversion
+    #: and the consistency check); used in error messages and debug-mode slot fingerprints.
+    _distnorm_name: str | None = None
+
+    def _layer_name(self) -> str:
+        return self._distnorm_name or f"{type(self).__name__}({self.num_features})"
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "_DistNormLayer":
+        # model.half() / .to(bfloat16) would round the statistics buffers to 8-11 mantissa
+        # bits; keep them float32 (parameters follow the model's dtype as usual).
+        super()._apply(fn, recurse)
+        for key, buf in self._buffers.items():
+            if buf is not None and buf.dtype in _LOW_PRECISION:
+                self._buffers[key] = buf.float()
+        return self
+
+
+class _CompleteNorm(_DistNormLayer):
+    """Common implementation of :class:`CBN` and :class:`POPNorm`."""
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        rho: float,
+        amat: bool,
+        omega: float,
+        eps: float,
+        momentum: float | None,
+        r_max: float,
+        eval_stats: str | None,
+        sync: bool,
+        process_group: ProcessGroup | None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        _check_num_features(owner, num_features)
+        _check_positive(owner, "rho" if owner == "CBN" else "kappa", rho)
+        _check_positive(owner, "eps", eps)
+        _check_momentum(owner, momentum)
+        if not (isinstance(omega, (int, float)) and math.isfinite(omega) and omega >= 0):
+            raise ValueError(f"{owner}: omega must be a finite number >= 0, got {omega!r}")
+        if not (isinstance(r_max, (int, float)) and r_max >= 1.0):
+            raise ValueError(f"{owner}: r_max must be >= 1 (ratios are clamped to [1/r_max, r_max]), got {r_max!r}")
+        if eval_stats is None:
+            eval_stats = "amat" if amat else "running"
+        if eval_stats not in F.EVAL_STATS:
+            raise ValueError(f"{owner}: eval_stats must be one of {F.EVAL_STATS} or None, got {eval_stats!r}")
+
+        self.num_features = num_features
+        self.rho = float(rho)
+        self.amat = bool(amat)
+        self.omega = float(omega)
+        self.eps = float(eps)
+        self.momentum = momentum
+        self.r_max = float(r_max)
+        self.eval_stats = eval_stats
+        self.sync = bool(sync)
+        self.process_group = process_group
+        self.lr: float | None = None
+        self._warned_no_lr = False
+
+        self.weight = nn.Parameter(torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("amat_mean", torch.zeros(num_features))
+        self.register_buffer("amat_var", torch.ones(num_features))
+        self.register_buffer("amat_initialized", torch.tensor(False))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    def reset_running_stats(self) -> None:
+        """Reset the running and AMAT statistics (AMAT re-initialises from the next batch)."""
+        self.amat_mean.zero_()
+        self.amat_var.fill_(1.0)
+        self.amat_initialized.fill_(False)
+        self.running_mean.zero_()
+        self.running_var.fill_(1.0)
+        self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def set_lr(self, lr: float) -> None:
+        """Tell AMAT the learning rate the optimizer applies at the current step.
+
+        Call it before each training forward (``distnorm.set_lr(model, lr)`` does it for
+        every layer). ``eta = clip(1 - omega * lr, 0, 1)``.
+        """
+        lr = float(lr)
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"{self._layer_name()}: learning rate must be finite and >= 0, got {lr!r}")
+        self.lr = lr
+
+    @property
+    def eta(self) -> float:
+        """AMAT's weight on history for the current learning rate (0 without AMAT)."""
+        if not self.amat or self.lr is None:
+            return 0.0
+        return F.amat_eta(self.lr, self.omega)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.amat and self.lr is None and not self._warned_no_lr:
+            self._warned_no_lr = True
+            warnings.warn(
+                f"{self._layer_name()}: AMAT has no learning rate yet, so it uses eta=0 (plain "
+                "batch statistics). Call distnorm.set_lr(model, lr) with the optimizer's "
+                "current learning rate before each training step.",
+                stacklevel=2,
+            )
+        return F.cbn(
+            x, self.weight, self.bias, self.amat_mean, self.amat_var, self.amat_initialized,
+            self.running_mean, self.running_var, self.num_batches_tracked,
+            training=self.training, eta=self.eta, rho=self.rho, eps=self.eps,
+            momentum=self.momentum, r_max=self.r_max, eval_stats=self.eval_stats,
+            process_group=self.process_group, sync=self.sync, layer=self._layer_name(),
+        )
+
+
+class CBN(_CompleteNorm):
+    r"""Complete batch normalization with the adaptive moving-average technique (AMAT).
+
+    Placed *before* a convolution / linear layer, after the previous nonlinearity (paper
+    002, Fig. 1c). Per channel, with statistics over the whole global batch of every rank:
+
+    .. math::
+        \mu_U = \eta\,\mu_A + (1-\eta)\,\mu_B,\qquad x_1 = x - \mu_U + \beta,\qquad
+        \sigma_U^2 = \eta\,\sigma_A^2 + (1-\eta)\,\overline{x_1^2},\qquad
+        y = \frac{\gamma}{\rho}\,\frac{x_1}{\sqrt{\sigma_U^2 + \epsilon}}
+
+    with :math:`\eta = \mathrm{clip}(1 - \omega\,\mathrm{lr}, 0, 1)` taken from the learning
+    rate given to :meth:`set_lr`, and :math:`(\mu_A, \sigma_A^2)` the AMAT buffers, which
+    become :math:`(\mu_U, \sigma_U^2)` after each step. Gradients flow through the batch
+    statistics, scaled by stop-gradient ratios clamped to ``[1/r_max, r_max]``.
+
+    Args:
+        num_features: number of channels ``C``.
+        rho: normalization magnitude :math:`\rho` (output scale ``gamma / rho``).
+        amat: use AMAT during training.
+        omega: AMAT's learning-rate multiplier :math:`\omega`.
+        eps: added to the variance.
+        momentum: factor of the running statistics (``None``: cumulative average).
+        r_max: clamp of the stop-gradient ratios.
+        eval_stats: statistics at evaluation, ``"amat"`` (default with AMAT) or
+            ``"running"`` (default without).
+        sync: synchronize statistics across ranks (when distributed with > 1 rank).
+        process_group: group to synchronize over (default: the default group).
+
+    Parameters ``weight`` (gamma) and ``bias`` (beta); buffers ``amat_mean``,
+    ``amat_var``, ``amat_initialized``, ``running_mean``, ``running_var``,
+    ``num_batches_tracked``.
+
+    Example:
+        >>> import torch, distnorm
+        >>> norm = distnorm.CBN(16, rho=2.0)
+        >>> norm.set_lr(0.01)                       # eta = 1 - 10 * 0.01 = 0.9
+        >>> y = norm(torch.randn(8, 16, 5, 5))
+        >>> y.shape
+        torch.Size([8, 16, 5, 5])
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        rho: float = 1.0,
+        amat: bool = True,
+        omega: float = 10.0,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        r_max: float = 3.0,
+        eval_stats: str | None = None,
+        sync: bool = True,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            num_features, rho=rho, amat=amat, omega=omega, eps=eps, momentum=momentum,
+            r_max=r_max, eval_stats=eval_stats, sync=sync, process_group=process_group,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, rho={self.rho}, amat={self.amat}, omega={self.omega}, "
+            f"eps={self.eps}, momentum={self.momentum}, eval_stats={self.eval_stats!r}, sync={self.sync}"
+        )
+
+
+class POPNorm(_CompleteNorm):
+    r"""POP-Norm (papers 000/001): complete normalization without moving averages.
+
+    .. math::
+        x_1 = x - \mu_B + \beta,\qquad
+        y = \frac{\gamma}{\kappa}\,\frac{x_1}{\sqrt{\overline{x_1^2} + \epsilon}}
+
+    It is :class:`CBN` with ``amat=False`` and ``rho=kappa``; evaluation uses the running
+    statistics, ``(x - running_mean + beta) / sqrt(running_var + beta^2 + eps)``.
+
+    Example:
+        >>> import torch, distnorm
+        >>> y = distnorm.POPNorm(16)(torch.randn(8, 16))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        kappa: float = 4.0,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        sync: bool = True,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            num_features, rho=kappa, amat=False, omega=0.0, eps=eps, momentum=momentum,
+            r_max=1.0, eval_stats="running", sync=sync, process_group=process_group,
+        )
+
+    @property
+    def kappa(self) -> float:
+        return self.rho
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, kappa={self.rho}, eps={self.eps}, momentum={self.momentum}, sync={self.sync}"
+
+
+class SyncBatchNorm(_DistNormLayer):
+    r"""Batch normalization with statistics over every rank, on CPU (gloo) and CUDA (NCCL).
+
+    The mathematics of ``torch.nn.BatchNorm{1,2,3}d`` applied to the concatenated global
+    batch — outputs, gradients (with DDP averaging parameter gradients) and running
+    statistics — for any input rank from 2-D to 5-D. Unlike ``torch.nn.SyncBatchNorm`` it
+    accepts CPU tensors, uneven per-rank batch sizes (weighted exactly) and empty ranks.
+    Parameter and buffer names match ``torch.nn.BatchNorm*``, so state dicts interchange.
+
+    Example:
+        >>> import torch, distnorm
+        >>> bn = distnorm.SyncBatchNorm(16)
+        >>> bn(torch.randn(8, 16, 5, 5)).shape
+        torch.Size([8, 16, 5, 5])
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        _check_num_features("SyncBatchNorm", num_features)
+        _check_positive("SyncBatchNorm", "eps", eps)
+        _check_momentum("SyncBatchNorm", momentum)
+        if momentum is None and not track_running_stats:
+            momentum = 0.0  # unused
+        self.num_features = num_features
+        self.eps = float(eps)
+        self.momentum = momentum
+        self.affine = bool(affine)
+        self.track_running_stats = bool(track_running_stats)
+        self.process_group = process_group
+        if self.affine:
+            self.weight = nn.Parameter(torch.ones(num_features))
+            self.bias = nn.Parameter(torch.zeros(num_features))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if self.track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features))
+            self.register_buffer("running_var", torch.ones(num_features))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1.0)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.sync_batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, self.num_batches_tracked,
+            training=self.training, momentum=self.momentum, eps=self.eps,
+            process_group=self.process_group, layer=self._layer_name(),
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+            f"track_running_stats={self.track_running_stats}"
+        )
+
+
+def name_layers(model: nn.Module) -> int:
+    """Record each distnorm layer's qualified name in ``model`` for error messages.
+
+    Returns the number of distnorm layers found.
+    """
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, _DistNormLayer):
+            module._distnorm_name = f"{type(module).__name__} '{name or '<root>'}'"
+            count += 1
+    return count
+
+
+def set_lr(model: nn.Module, lr: float) -> int:
+    """Give every AMAT layer in ``model`` the learning rate of the current step.
+
+    Pass the learning rate the optimizer applies at this step (after warm-up and
+    schedulers), e.g. ``optimizer.param_groups[0]["lr"]`` read before ``optimizer.step()``.
+
+    Args:
+        model: any module (a DDP / engine wrapper included).
+        lr: learning rate, finite and >= 0.
+
+    Returns:
+        The number of AMAT layers updated.
+
+    Example:
+        >>> import torch, distnorm
+        >>> model = torch.nn.Sequential(distnorm.CBN(4), torch.nn.Linear(4, 2))
+        >>> distnorm.set_lr(model, 0.05)
+        1
+    """
+    lr = float(lr)
+    if not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"distnorm.set_lr: learning rate must be finite and >= 0, got {lr!r}")
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, _CompleteNorm):
+            if module._distnorm_name is None:
+                module._distnorm_name = f"{type(module).__name__} '{name or '<root>'}'"
+            if module.amat:
+                module.set_lr(lr)
+                count += 1
+    return count
