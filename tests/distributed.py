@@ -30,12 +30,14 @@ _CTX.set_forkserver_preload(["torch", "distnorm"])
 
 
 def _child(fn: Callable, rank: int, world_size: int, store_path: str, results: Any,
-           args: tuple, kwargs: dict, timeout: float) -> None:
+           args: tuple, kwargs: dict, timeout: float, backend: str) -> None:
     try:
         torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
         value = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()
@@ -49,8 +51,9 @@ def _child(fn: Callable, rank: int, world_size: int, store_path: str, results: A
 
 
 def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any,
-                    timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+                    timeout: float = 120.0, backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks (gloo, or
+    ``backend="nccl"`` with one GPU per rank).
 
     Returns the per-rank return values (rank order). Raises ``AssertionError`` with the
     failing rank's traceback, or ``TimeoutError`` naming the ranks that did not finish.
@@ -58,7 +61,7 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any,
     store_path = str(Path(tmp_path) / f"store-{os.getpid()}-{time.monotonic_ns()}")
     results = _CTX.Queue()
     procs = [
-        _CTX.Process(target=_child, args=(fn, r, world_size, store_path, results, args, kwargs, timeout),
+        _CTX.Process(target=_child, args=(fn, r, world_size, store_path, results, args, kwargs, timeout, backend),
                      daemon=True)
         for r in range(world_size)
     ]

@@ -1,0 +1,92 @@
+"""Rank consistency: buffers stay bit-identical under DDP without buffer broadcasts, and
+check_consistency catches (and names) any divergence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distnorm
+from tests.distributed import run_distributed
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # identical initial parameters on every rank
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.Tanh(),
+        distnorm.CBN(8, rho=2.0),
+        nn.Conv2d(8, 8, 3, padding=1),
+        distnorm.SyncBatchNorm(8),
+        nn.ReLU(),
+        distnorm.POPNorm(8),
+        nn.Conv2d(8, 4, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+    )
+
+
+def _ddp_worker(rank, world, perturb_rank=None):
+    model = DDP(_model(), broadcast_buffers=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+    gen = torch.Generator().manual_seed(rank)  # different data on every rank
+    for _ in range(6):
+        distnorm.set_lr(model, opt.param_groups[0]["lr"])
+        x = torch.randn(6 + rank, 3, 8, 8, generator=gen)  # unequal batch sizes too
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    assert distnorm.check_consistency(model, parameters=True) > 0
+    buffers = {k: v.clone() for k, v in model.module.named_buffers()}
+    if perturb_rank is not None:
+        if rank == perturb_rank:
+            with torch.no_grad():
+                model.module[2].amat_mean[3] += 1e-6
+        try:
+            distnorm.check_consistency(model)
+        except distnorm.InconsistentStateError as err:
+            return buffers, str(err), err.mismatches
+        raise AssertionError("perturbed buffer was not detected")
+    return buffers, None, None
+
+
+@pytest.mark.world_size(2)
+def test_ddp_buffers_bit_identical_without_broadcast(tmp_path):
+    out = run_distributed(_ddp_worker, 2, tmp_path)
+    (b0, _, _), (b1, _, _) = out
+    assert b0.keys() == b1.keys() and len(b0) > 10
+    for name in b0:
+        assert torch.equal(b0[name], b1[name]), name
+    assert int(b0["2.num_batches_tracked"]) == 6 and bool(b0["2.amat_initialized"])
+
+
+@pytest.mark.world_size(3)
+def test_perturbed_buffer_is_named_with_ranks(tmp_path):
+    out = run_distributed(_ddp_worker, 3, tmp_path, perturb_rank=1)
+    for _, message, mismatches in out:  # every rank raises, none is left waiting
+        assert "module.2.amat_mean" in message
+        assert mismatches == {"module.2.amat_mean": [[0, 2], [1]]}
+
+
+def _structure_worker(rank, world):
+    model = nn.Sequential(distnorm.CBN(4), *([distnorm.CBN(4)] if rank == 1 else []))
+    with pytest.raises(distnorm.InconsistentStateError, match="differently structured"):
+        distnorm.check_consistency(model)
+    return True
+
+
+@pytest.mark.world_size(2)
+def test_structural_mismatch_is_an_error_not_a_hang(tmp_path):
+    assert run_distributed(_structure_worker, 2, tmp_path, timeout=60) == [True, True]
+
+
+def test_check_consistency_local_is_a_count():
+    model = nn.Sequential(distnorm.CBN(4), nn.Linear(4, 4), distnorm.SyncBatchNorm(4))
+    assert distnorm.check_consistency(model) == 6 + 3
+    assert distnorm.check_consistency(model, parameters=True) == 6 + 3 + 6

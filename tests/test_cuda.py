@@ -1,0 +1,85 @@
+"""The equivalence tests on CUDA: local paths with one GPU, NCCL synchronization with two or
+more. Skipped cleanly on machines without CUDA (as on CI); the same assertions as the CPU
+tests, with float32 tolerances where the GPU kernels accumulate differently."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import distnorm
+from tests import reference as ref
+from tests.distributed import run_distributed
+from tests.test_layers_distributed import LRS, _assert_bit_identical, _equivalence_worker
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
+needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices for NCCL")
+
+pytestmark = pytest.mark.cuda
+
+
+@needs_gpu
+@pytest.mark.parametrize("make", [lambda: distnorm.CBN(8), lambda: distnorm.POPNorm(8), lambda: distnorm.SyncBatchNorm(8)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_local_matches_cpu_float64(make, dtype, channels_last):
+    cpu = make().double()
+    gpu = copy.deepcopy(cpu).to(device="cuda", dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    for m in (cpu, gpu):
+        distnorm.set_lr(m, 0.02)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}[dtype]
+    for step in range(3):
+        x = torch.randn(8, 8, 6, 6, dtype=torch.float64) * 2 + 1
+        gy = torch.randn_like(x)
+        xc = x.clone().requires_grad_()
+        xg = x.to("cuda", dtype)
+        if channels_last:
+            xg = xg.to(memory_format=torch.channels_last)
+        xg.requires_grad_()
+        yc, yg = cpu(xc), gpu(xg)
+        assert yg.dtype == dtype
+        if channels_last:
+            assert yg.is_contiguous(memory_format=torch.channels_last)
+        yc.backward(gy)
+        yg.backward(gy.to("cuda", dtype))
+        torch.testing.assert_close(yg.double().cpu(), yc, atol=tol, rtol=tol)
+        torch.testing.assert_close(xg.grad.double().cpu(), xc.grad, atol=tol * 10, rtol=tol * 10)
+        for name, buf in cpu.named_buffers():
+            other = dict(gpu.named_buffers())[name]
+            if buf.is_floating_point():
+                torch.testing.assert_close(other.double().cpu(), buf, atol=tol, rtol=tol)
+
+
+@needs_gpu
+def test_cuda_cbn_matches_reference_over_steps():
+    m = distnorm.CBN(3, rho=1.5).double().cuda()
+    state = ref.CBNState(3)
+    for step, lr in enumerate(LRS):
+        x = torch.randn(16, 3, 4, 4, dtype=torch.float64) + torch.tensor([2.0, -1.0, 0.0]).view(1, 3, 1, 1)
+        gy = torch.randn_like(x)
+        xr = x.clone().requires_grad_()
+        gr = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        br = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+        y_ref = ref.cbn_train(xr, gr, br, state, eta=max(1 - 10 * lr, 0), rho=1.5)
+        y_ref.backward(gy)
+        distnorm.set_lr(m, lr)
+        m.zero_grad()
+        xg = x.cuda().requires_grad_()
+        y = m(xg)
+        y.backward(gy.cuda())
+        torch.testing.assert_close(y.cpu(), y_ref, atol=1e-10, rtol=0)
+        torch.testing.assert_close(xg.grad.cpu(), xr.grad, atol=1e-10, rtol=0)
+        torch.testing.assert_close(m.amat_var.cpu(), state.amat_var, atol=1e-10, rtol=0)
+
+
+@needs_two_gpus
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["cbn", "popnorm", "syncbn"])
+@pytest.mark.parametrize("splits", [[4, 4], [3, 5], [4, 0]])
+def test_nccl_two_ranks_equal_one_process(tmp_path, kind, splits):
+    out = run_distributed(_equivalence_worker, 2, tmp_path, kind, splits, (3, 3), LRS,
+                          device="cuda", backend="nccl")
+    _assert_bit_identical(out)

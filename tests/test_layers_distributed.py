@@ -1,0 +1,202 @@
+"""N ranks with split batches must equal one process on the concatenated batch.
+
+Real processes, real gloo collectives (see tests/distributed.py). Each rank builds the same
+global batch from a shared seed, runs its own slice through the distnorm layer, and checks
+against the float64 reference (or torch.nn.BatchNorm) run on the whole batch:
+
+* outputs and input gradients: equal to the rank's slice of the reference;
+* parameter gradients: their *sum over ranks* equals the reference (the data-parallel
+  engine averages them; the test losses are sums, so the average is the sum / W);
+* buffers: equal to the reference, and bit-identical across ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distnorm
+from distnorm import functional as F
+from tests import reference as ref
+from tests.distributed import run_distributed
+
+LRS = [0.2, 0.05, 0.02, 0.005, 0.001]
+ATOL = 1e-10
+
+
+def _batch(step: int, n: int, shape_tail, channels=3):
+    gen = torch.Generator().manual_seed(1000 + step)
+    offsets = torch.tensor([2.0, -1.5, 0.01][:channels], dtype=torch.float64)
+    x = torch.randn(n, channels, *shape_tail, generator=gen, dtype=torch.float64) * 1.5
+    x = x + offsets.view([1, -1] + [1] * len(shape_tail))
+    gy = torch.randn(n, channels, *shape_tail, generator=gen, dtype=torch.float64)
+    return x, gy
+
+
+def _make(kind: str, group=None) -> nn.Module:
+    if kind == "cbn":
+        return distnorm.CBN(3, rho=1.5, process_group=group).double()
+    if kind == "popnorm":
+        return distnorm.POPNorm(3, process_group=group).double()
+    return distnorm.SyncBatchNorm(3, process_group=group).double()
+
+
+def _buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if k not in ("weight", "bias")}
+
+
+def _equivalence_worker(rank, world, kind, splits, shape_tail, lrs, sub_groups=None, device="cpu"):
+    """Compare this rank's slice against the reference on its group's concatenated batch.
+
+    The reference always runs on the CPU; with ``device="cuda"`` the layer runs on this
+    rank's GPU (NCCL) and its results are compared on the CPU.
+    """
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    group, members = None, list(range(world))
+    if sub_groups is not None:
+        for ranks in sub_groups:  # every rank must take part in creating every group
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                group, members = g, ranks
+    offsets = [sum(splits[:r]) for r in range(world + 1)]
+    lo = sum(splits[r] for r in members if r < rank)
+    hi = lo + splits[rank]
+    n_group = sum(splits[r] for r in members)
+
+    module = _make(kind, group).to(dev)
+    gamma = torch.tensor([0.7, 1.3, 1.0], dtype=torch.float64)
+    beta = torch.tensor([0.2, -0.4, 0.1], dtype=torch.float64)
+    with torch.no_grad():
+        module.weight.copy_(gamma)
+        module.bias.copy_(beta)
+    state = ref.CBNState(3)
+    reference_bn = nn.BatchNorm1d(3).double() if len(shape_tail) <= 1 else nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        reference_bn.weight.copy_(gamma)
+        reference_bn.bias.copy_(beta)
+
+    for step, lr in enumerate(lrs):
+        x_all, gy_all = _batch(step, offsets[-1], shape_tail)
+        idx = torch.cat([torch.arange(offsets[r], offsets[r + 1]) for r in members])
+        x_grp, gy_grp = x_all[idx], gy_all[idx]
+
+        xr, gr, br = x_grp.clone().requires_grad_(), gamma.clone().requires_grad_(), beta.clone().requires_grad_()
+        if kind == "syncbn":
+            reference_bn.zero_grad()
+            y_ref = reference_bn(xr)
+            y_ref.backward(gy_grp)
+            ref_grads = (reference_bn.weight.grad, reference_bn.bias.grad)
+        else:
+            amat = kind == "cbn"
+            eta = F.amat_eta(lr, 10.0) if amat else 0.0
+            y_ref = ref.cbn_train(xr, gr, br, state, eta=eta, rho=1.5 if amat else 4.0, amat=amat)
+            y_ref.backward(gy_grp)
+            ref_grads = (gr.grad, br.grad)
+
+        module.zero_grad()
+        distnorm.set_lr(module, lr)
+        x = x_grp[lo:hi].to(dev).requires_grad_()
+        y = module(x)
+        y.backward(gy_grp[lo:hi].to(dev))
+
+        assert y.shape == x.shape
+        torch.testing.assert_close(y.cpu(), y_ref[lo:hi].detach(), atol=ATOL, rtol=0)
+        torch.testing.assert_close(x.grad.cpu(), xr.grad[lo:hi], atol=ATOL, rtol=0)
+        grads = torch.stack([module.weight.grad, module.bias.grad])
+        if group is not None or len(members) > 1:
+            dist.all_reduce(grads, group=group)
+        torch.testing.assert_close(grads[0].cpu(), ref_grads[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(grads[1].cpu(), ref_grads[1], atol=ATOL, rtol=0)
+        buffers = _buffers(module)
+        if kind == "syncbn":
+            expected = {"running_mean": reference_bn.running_mean, "running_var": reference_bn.running_var}
+        else:
+            expected = {"amat_mean": state.amat_mean, "amat_var": state.amat_var,
+                        "running_mean": state.running_mean, "running_var": state.running_var}
+        for name, value in expected.items():
+            torch.testing.assert_close(buffers[name], value, atol=ATOL, rtol=0)
+    return buffers
+
+
+def _assert_bit_identical(buffers: list[dict[str, torch.Tensor]]) -> None:
+    for name, value in buffers[0].items():
+        for rank, other in enumerate(buffers[1:], start=1):
+            assert torch.equal(other[name], value), f"{name} differs between rank 0 and rank {rank}"
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["cbn", "popnorm", "syncbn"])
+@pytest.mark.parametrize("shape_tail", [(), (4, 4)], ids=["NC", "NCHW"])
+def test_two_ranks_equal_one_process(tmp_path, kind, shape_tail):
+    out = run_distributed(_equivalence_worker, 2, tmp_path, kind, [4, 4], shape_tail, LRS)
+    _assert_bit_identical(out)
+
+
+@pytest.mark.world_size(3)
+@pytest.mark.parametrize("kind", ["cbn", "syncbn"])
+def test_three_ranks_unequal_splits(tmp_path, kind):
+    out = run_distributed(_equivalence_worker, 3, tmp_path, kind, [3, 5, 2], (3,), LRS)
+    _assert_bit_identical(out)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("kind", ["cbn", "popnorm", "syncbn"])
+def test_uneven_three_five_split(tmp_path, kind):
+    out = run_distributed(_equivalence_worker, 2, tmp_path, kind, [3, 5], (2, 2), LRS)
+    _assert_bit_identical(out)
+
+
+@pytest.mark.world_size(3)
+@pytest.mark.parametrize("kind", ["cbn", "syncbn"])
+def test_empty_rank_joins_and_contributes_nothing(tmp_path, kind):
+    out = run_distributed(_equivalence_worker, 3, tmp_path, kind, [4, 0, 5], (2, 2), LRS)
+    _assert_bit_identical(out)
+    for buffers in out:
+        for name, value in buffers.items():
+            assert torch.isfinite(value.double()).all(), name
+
+
+@pytest.mark.world_size(3)
+def test_sub_group_process_group(tmp_path):
+    """Ranks {0, 1} synchronize with each other; rank 2 alone runs locally."""
+    out = run_distributed(_equivalence_worker, 3, tmp_path, "cbn", [4, 3, 5], (2, 2), LRS,
+                          sub_groups=[[0, 1], [2]])
+    _assert_bit_identical(out[:2])
+    assert not torch.equal(out[0]["amat_mean"], out[2]["amat_mean"])
+
+
+# --------------------------------------------------------------------- collective count
+def _count_worker(rank, world):
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # observe (not replace) the real collective
+    try:
+        counts = {}
+        for make in (lambda: distnorm.CBN(5), lambda: distnorm.POPNorm(5), lambda: distnorm.SyncBatchNorm(5)):
+            layer = make()
+            distnorm.set_lr(layer, 0.01)
+            x = torch.randn(4, 5, 3, 3, requires_grad=True)
+            calls.clear()
+            y = layer(x)
+            fwd = list(calls)
+            calls.clear()
+            y.sum().backward()
+            counts[type(layer).__name__] = (fwd, list(calls))
+    finally:
+        dist.all_reduce = original
+    return counts
+
+
+@pytest.mark.world_size(2)
+def test_one_collective_forward_one_backward(tmp_path):
+    counts = run_distributed(_count_worker, 2, tmp_path)[0]
+    for name, (fwd, bwd) in counts.items():
+        assert fwd == [(2 * 5 + 1,)], (name, fwd)
+        assert bwd == [(2 * 5,)], (name, bwd)
