@@ -23,22 +23,24 @@ def _view(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class CBNState:
-    """The buffers of one CBN layer, in float64."""
+    """The buffers of one CBN layer (float64 unless told otherwise)."""
 
     channels: int
+    dtype: torch.dtype = torch.float64
     amat_mean: torch.Tensor = field(init=False)
     amat_var: torch.Tensor = field(init=False)
     initialized: bool = False
     running_mean: torch.Tensor = field(init=False)
     running_var: torch.Tensor = field(init=False)
     num_batches_tracked: int = 0
+    device: torch.device | str = "cpu"
 
     def __post_init__(self) -> None:
-        c = self.channels
-        self.amat_mean = torch.zeros(c, dtype=torch.float64)
-        self.amat_var = torch.ones(c, dtype=torch.float64)
-        self.running_mean = torch.zeros(c, dtype=torch.float64)
-        self.running_var = torch.ones(c, dtype=torch.float64)
+        c, kw = self.channels, dict(dtype=self.dtype, device=self.device)
+        self.amat_mean = torch.zeros(c, **kw)
+        self.amat_var = torch.ones(c, **kw)
+        self.running_mean = torch.zeros(c, **kw)
+        self.running_var = torch.ones(c, **kw)
 
 
 def cbn_train(x, gamma, beta, state: CBNState, *, eta, rho=1.0, eps=1e-5, momentum=0.1, r_max=3.0, amat=True):

@@ -1,0 +1,86 @@
+"""Shared helpers for the benchmark scripts: machine description, interleaved timing with
+medians, JSON output. Every script compares against a baseline measured in the same run."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/x.py` from a checkout, without installing
+    sys.path.insert(0, str(REPO))
+
+
+# glibc returns large freed blocks to the OS and maps them again on the next allocation;
+# the resulting page faults (tens of thousands per step for 25 MB activations) swamp the
+# differences being measured and make them depend on allocation order. Production setups
+# avoid this with jemalloc/tcmalloc (and on GPU the caching allocator); the benchmarks keep
+# freed memory in the process instead, identically for every variant and the baseline.
+STABLE_MALLOC = {
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TOP_PAD_": str(256 << 20),
+}
+
+
+def use_stable_allocator() -> None:
+    """Re-execute this script once with :data:`STABLE_MALLOC` in the environment."""
+    if sys.platform.startswith("linux") and any(os.environ.get(k) != v for k, v in STABLE_MALLOC.items()):
+        env = {**os.environ, **STABLE_MALLOC}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    info = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "malloc_env": {k: os.environ.get(k) for k in STABLE_MALLOC},
+    }
+    return info
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, device: torch.device,
+                        warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each function, timed round-robin so that machine noise
+    (other tenants, frequency changes) hits every variant alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            synchronize(device)
+            start = time.perf_counter()
+            fn()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    text = json.dumps(payload, indent=2, sort_keys=False)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")
+        print(f"wrote {path}")

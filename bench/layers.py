@@ -1,0 +1,190 @@
+"""Forward+backward cost of distnorm's layers against torch.nn.BatchNorm2d, same run.
+
+    python bench/layers.py --json bench/results/layers.json [--quick] [--device cuda]
+
+Measures, for each input shape, the median time of one training forward+backward of
+``CBN`` (AMAT with history, eta = 0.9), ``POPNorm``, ``SyncBatchNorm`` (one process) and a
+naive autograd CBN (the float64 test reference of SPEC §1, run in float32) against
+``torch.nn.BatchNorm2d``; the bytes each saves for backward; and, in a real 2-rank gloo
+run, how many collectives each layer issues per step and how many bytes they carry.
+
+Reported ratios (time of the layer / time of BatchNorm2d; lower is better) use the first
+(largest) shape; ``naive_vs_cbn`` is how many times faster CBN is than the naive version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from _common import interleaved_medians, machine, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
+
+import distnorm
+from tests.reference import CBNState, cbn_train
+
+SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14)]
+QUICK_SHAPES = [(8, 16, 16, 16)]
+LR = 0.01  # eta = 1 - 10 * 0.01 = 0.9: the AMAT history path, the most expensive one
+
+
+class NaiveCBN(nn.Module):
+    """CBN with AMAT written with plain torch ops and autograd (the test reference)."""
+
+    def __init__(self, channels: int, device: torch.device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels, device=device))
+        self.bias = nn.Parameter(torch.zeros(channels, device=device))
+        self.state = CBNState(channels, dtype=torch.float32, device=device)
+
+    def forward(self, x):
+        return cbn_train(x, self.weight, self.bias, self.state, eta=1 - 10 * LR)
+
+
+def make_layers(channels: int, device: torch.device) -> dict[str, nn.Module]:
+    layers = {
+        "batchnorm2d": nn.BatchNorm2d(channels),
+        "cbn": distnorm.CBN(channels),
+        "popnorm": distnorm.POPNorm(channels),
+        "syncbn": distnorm.SyncBatchNorm(channels),
+        "naive_cbn": NaiveCBN(channels, device),
+    }
+    for layer in layers.values():
+        layer.to(device)
+        distnorm.set_lr(layer, LR)
+    return layers
+
+
+def saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of distinct storages autograd keeps for this layer's backward."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    del y
+    return sum(storages.values())
+
+
+def time_layers(shape, device, repeats) -> dict:
+    layers = make_layers(shape[1], device)
+    x = (torch.randn(*shape, device=device) * 2 + 0.5).requires_grad_()
+    grad = torch.randn(*shape, device=device)
+    for layer in layers.values():  # initialise AMAT so every timed step uses history
+        layer(x.detach())
+
+    def step(layer):
+        def run():
+            x.grad = None
+            layer(x).backward(grad)
+        return run
+
+    medians = interleaved_medians({name: step(layer) for name, layer in layers.items()}, repeats, device)
+    base = medians["batchnorm2d"]
+    return {
+        "shape": list(shape),
+        "median_ms": {k: round(v * 1e3, 4) for k, v in medians.items()},
+        "ratio_vs_batchnorm2d": {k: round(v / base, 4) for k, v in medians.items()},
+        "naive_vs_cbn": round(medians["naive_cbn"] / medians["cbn"], 3),
+        "saved_for_backward_bytes": {name: saved_bytes(layer, x) for name, layer in layers.items()},
+        "input_bytes": x.numel() * x.element_size(),
+    }
+
+
+# ------------------------------------------------------------- 2-rank collective count
+def _count_collectives(rank: int, world: int, store: str, channels: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    calls: list[int] = []
+    original = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):  # counts, then runs the real collective
+        calls.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = spy
+    result = {}
+    for name, layer in {"cbn": distnorm.CBN(channels), "popnorm": distnorm.POPNorm(channels),
+                        "syncbn": distnorm.SyncBatchNorm(channels)}.items():
+        distnorm.set_lr(layer, LR)
+        x = torch.randn(4, channels, 8, 8, requires_grad=True)
+        calls.clear()
+        y = layer(x)
+        forward = list(calls)
+        calls.clear()
+        y.sum().backward()
+        result[name] = {"forward": len(forward), "backward": len(calls),
+                        "forward_bytes": sum(forward), "backward_bytes": sum(calls)}
+    dist.all_reduce = original
+    if rank == 0:
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def collectives_two_ranks(channels: int = 64) -> dict:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_count_collectives, args=(r, 2, str(Path(tmp) / "store"), channels, queue))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        result = queue.get(timeout=120)
+        for p in procs:
+            p.join(timeout=60)
+    return {"channels": channels, "per_layer_per_step": result}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--quick", action="store_true", help="tiny shape, few repeats (for tests)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    repeats = args.repeats or (3 if args.quick else 15)
+
+    per_shape = [time_layers(s, device, repeats) for s in shapes]
+    main_shape = per_shape[0]
+    payload = {
+        "benchmark": "layers",
+        "machine": machine(),
+        "device": str(device),
+        "repeats": repeats,
+        "lr": LR,
+        "shapes": per_shape,
+        "collectives_2_ranks": collectives_two_ranks(),
+        "ratios": {
+            "cbn_vs_batchnorm2d": main_shape["ratio_vs_batchnorm2d"]["cbn"],
+            "popnorm_vs_batchnorm2d": main_shape["ratio_vs_batchnorm2d"]["popnorm"],
+            "syncbn_vs_batchnorm2d": main_shape["ratio_vs_batchnorm2d"]["syncbn"],
+            "naive_vs_cbn": main_shape["naive_vs_cbn"],
+        },
+    }
+    for entry in per_shape:
+        print(f"shape {tuple(entry['shape'])}: median fwd+bwd ms {entry['median_ms']}")
+        print(f"  ratio vs BatchNorm2d {entry['ratio_vs_batchnorm2d']}; CBN is {entry['naive_vs_cbn']}x faster than naive")
+        print(f"  saved for backward (input {entry['input_bytes']} B): {entry['saved_for_backward_bytes']}")
+    print(f"collectives per layer per step, 2 ranks: {payload['collectives_2_ranks']['per_layer_per_step']}")
+    print(f"ratios: {payload['ratios']}")
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    use_stable_allocator()
+    main()
