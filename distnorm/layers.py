@@ -24,6 +24,7 @@ from distnorm._collectives import ProcessGroup
 __all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "name_layers"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_warned_no_lr = False  # one warning per process, not one per layer
 
 
 def _check_positive(owner: str, name: str, value: float) -> None:
@@ -105,7 +106,6 @@ class _CompleteNorm(_DistNormLayer):
         self.sync = bool(sync)
         self.process_group = process_group
         self.lr: float | None = None
-        self._warned_no_lr = False
 
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
@@ -149,8 +149,9 @@ class _CompleteNorm(_DistNormLayer):
         return F.amat_eta(self.lr, self.omega)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and self.amat and self.lr is None and not self._warned_no_lr:
-            self._warned_no_lr = True
+        global _warned_no_lr
+        if self.training and self.amat and self.lr is None and not _warned_no_lr:
+            _warned_no_lr = True
             warnings.warn(
                 f"{self._layer_name()}: AMAT has no learning rate yet, so it uses eta=0 (plain "
                 "batch statistics). Call distnorm.set_lr(model, lr) with the optimizer's "

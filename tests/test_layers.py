@@ -190,13 +190,15 @@ def test_amat_initialised_from_first_batch():
     torch.testing.assert_close(y, (x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + 1e-5), atol=1e-5, rtol=0)
 
 
-def test_missing_learning_rate_warns_once():
-    m = distnorm.CBN(3)
-    with pytest.warns(UserWarning, match="set_lr"):
-        m(torch.randn(8, 3))
+def test_missing_learning_rate_warns_once(monkeypatch):
+    monkeypatch.setattr(distnorm.layers, "_warned_no_lr", False)
+    model = nn.Sequential(distnorm.CBN(3), distnorm.CBN(3))
+    with pytest.warns(UserWarning, match="set_lr") as record:
+        model(torch.randn(8, 3))
+    assert len(record) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        m(torch.randn(8, 3))
+        model(torch.randn(8, 3))
 
 
 # ------------------------------------------------------------ SyncBatchNorm vs torch BN
