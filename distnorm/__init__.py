@@ -10,7 +10,7 @@ Quick start::
 ``import distnorm`` needs only torch; integrations are imported lazily.
 """
 
-from distnorm import functional
+from distnorm import bnp, functional
 from distnorm._debug import debug
 from distnorm.consistency import check_consistency
 from distnorm.errors import (
@@ -32,6 +32,7 @@ __all__ = [
     "check_consistency",
     "debug",
     "functional",
+    "bnp",
     "DistNormError",
     "InconsistentStateError",
     "CollectiveMismatchError",

@@ -4,9 +4,12 @@
   (SPEC §3), the mathematics of ``torch.nn.BatchNorm*`` on the concatenated global batch.
 * :class:`CompleteNormFunction` — CBN with AMAT (SPEC §1) and, with ``amat=False`` and
   ``rho=kappa``, POP-Norm (SPEC §2).
+* :class:`BNPGradientFunction` — BNP's gradient preconditioner (SPEC §5); it has no
+  collective of its own (the statistics it uses are all-reduced in the layer's forward).
 
-Both follow the same plan, chosen so that each layer issues exactly one collective in the
-forward and one in the backward, and saves only its input plus per-channel vectors:
+The two normalization Functions share one plan:
+chosen so that each layer issues exactly one collective in the forward and one in the
+backward, and saves only its input plus per-channel vectors:
 
 forward
     1. ``global_moments``: one all-reduce of per-channel sums and a float64 count.
@@ -40,7 +43,7 @@ from torch.autograd.function import once_differentiable
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, accumulate_dtype
 
-__all__ = ["CompleteNormFunction", "SyncBatchNormFunction", "channel_affine"]
+__all__ = ["BNPGradientFunction", "bnp_precondition", "CompleteNormFunction", "SyncBatchNormFunction", "channel_affine"]
 
 
 def _channel_view(v: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -328,3 +331,100 @@ class CompleteNormFunction(torch.autograd.Function):
             else:
                 grad_x = torch.empty_like(x)
         return (grad_x, grad_gamma, grad_beta) + (None,) * 13
+
+
+class BNPGradientFunction(torch.autograd.Function):
+    """Identity on ``(weight, bias)`` in the forward; BNP's preconditioner in the backward.
+
+    The layer computes its output from the *returned* aliases, so the gradients that reach
+    this Function are the layer's plain ``(G_w, G_b)`` for this backward pass; it returns
+    ``(1/q²) P Pᵀ [G_b; G_w]`` (see :func:`bnp_precondition`), which
+    autograd accumulates into ``weight.grad`` / ``bias.grad``. Every optimizer and engine
+    therefore sees the preconditioned gradient, and nothing runs at ``optimizer.step()``.
+
+    The map is linear and built from rank-consistent statistics, so applying it on each
+    rank before the data-parallel average (as here) equals applying it after.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        mean: torch.Tensor,
+        var_t: torch.Tensor,
+        q2: torch.Tensor,
+        groups: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ctx.save_for_backward(mean, var_t, q2)
+        ctx.groups = groups
+        return weight.view_as(weight), (bias.view_as(bias) if bias is not None else None)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_weight: torch.Tensor, grad_bias: torch.Tensor | None) -> tuple[Any, ...]:
+        mean, var_t, q2 = ctx.saved_tensors
+        if grad_weight is None:
+            return None, grad_bias, None, None, None, None
+        if ctx.needs_input_grad[1] and grad_bias is None:
+            grad_bias = torch.zeros(grad_weight.shape[0], dtype=grad_weight.dtype, device=grad_weight.device)
+        new_weight, new_bias = bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=ctx.groups)
+        return new_weight, new_bias, None, None, None, None
+
+
+def bnp_precondition(
+    grad_weight: torch.Tensor,
+    grad_bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    var_t: torch.Tensor,
+    q2: torch.Tensor | float,
+    *,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """BNP's gradient transform ``(1/q²) P Pᵀ [G_b; G_w]`` (paper 004, Eq. 15; SPEC §5).
+
+    With ``P = [[1, -mu^T], [0, I]] · diag(1, 1/sqrt(var_t))``, per output channel ``d`` and
+    input channel ``p`` of its group (kernel positions share their channel's statistics)::
+
+        G_w[d, p, ...] <- (G_w[d, p, ...] - mu[p] * G_b[d]) / (q2 * var_t[p])
+        G_b[d]         <- G_b[d] / q2 - sum_{p, ...} mu[p] * G_w_new[d, p, ...]
+
+    Without a bias only the scaling ``G_w / (q2 * var_t)`` applies.
+
+    Args:
+        grad_weight: ``(C_out, C_in / groups, *kernel)`` (conv) or ``(out, in)`` (dense).
+        grad_bias: ``(C_out,)`` or ``None``.
+        mean, var_t: per-input-channel moments, length ``C_in`` (``var_t`` already
+            regularised: ``var + eps1 * max(var) + eps2``).
+        q2: the block-norm scale ``q²`` (0-dim tensor or float).
+        groups: convolution groups; output channel ``d`` sees input channels of group
+            ``d // (C_out / groups)`` (depthwise: ``groups = C_in``).
+
+    Returns:
+        The preconditioned ``(grad_weight, grad_bias)`` in their original dtypes.
+    """
+    out_channels = grad_weight.shape[0]
+    compute = torch.promote_types(grad_weight.dtype, torch.float32)
+    per_group = mean.numel() // groups
+    if grad_weight.dim() < 2 or grad_weight.shape[1] != per_group or out_channels % groups:
+        raise ValueError(
+            f"bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)} does not match "
+            f"{mean.numel()} input channels in {groups} group(s)"
+        )
+    shape = (out_channels, per_group) + (1,) * (grad_weight.dim() - 2)
+    # Row d of the per-(output, input-channel) statistics is its group's input channels.
+    mu = mean.to(compute).view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+    vt = var_t.to(compute).view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+    q2 = torch.as_tensor(q2, dtype=compute, device=grad_weight.device)
+    gw = grad_weight.to(compute)
+    if grad_bias is None:
+        return (gw / (q2 * vt).view(shape)).to(grad_weight.dtype), None
+    gb = grad_bias.to(compute)
+    # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
+    # backward at one extra weight gradient per layer).
+    new_w = torch.addcmul(gw, mu.view(shape), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
+    new_w.div_((q2 * vt).view(shape))
+    # sum_{p, kernel} mu[p] * new_w[d, p, kernel]: reduce the kernel first, then a row dot.
+    per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
+    new_b = gb / q2 - torch.einsum("dp,dp->d", per_channel, mu)
+    return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)

@@ -15,9 +15,9 @@ import torch
 
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import CompleteNormFunction, SyncBatchNormFunction, channel_affine
+from distnorm._functions import CompleteNormFunction, SyncBatchNormFunction, bnp_precondition, channel_affine
 
-__all__ = ["amat_eta", "cbn", "pop_norm", "sync_batch_norm"]
+__all__ = ["amat_eta", "bnp_precondition", "cbn", "pop_norm", "sync_batch_norm"]
 
 EVAL_STATS = ("amat", "running")
 
@@ -214,3 +214,4 @@ def pop_norm(
         num_batches_tracked, training=training, eta=0.0, rho=kappa, eps=eps, momentum=momentum,
         eval_stats=eval_stats, process_group=process_group, sync=sync, layer=layer,
     )
+

@@ -32,3 +32,11 @@ def test_bench_layers_quick(tmp_path):
     assert {name: (c["forward"], c["backward"]) for name, c in counts.items()} == {
         "cbn": (1, 1), "popnorm": (1, 1), "syncbn": (1, 1)}
     assert result["machine"]["torch"]
+
+
+@pytest.mark.timeout(600)
+def test_bench_bnp_quick(tmp_path):
+    result = _run("bnp.py", tmp_path)
+    assert {"step_bnp_vs_plain", "mem_bnp_vs_plain"} <= set(result["ratios"])
+    assert all(v > 0 for v in result["ratios"].values())
+    assert result["models"]["resnet18"]["bnp_layers"] == 21

@@ -1,0 +1,165 @@
+"""Cost of BNP: one training step with BNP attached against the same step without.
+
+    python bench/bnp.py --json bench/results/bnp-cpu.json [--quick] [--device cuda]
+
+For each model (torchvision ResNet-18, and the CIFAR ResNet-20 of ``distnorm.models`` when
+available), times one SGD training step (forward, backward, optimizer step) with and without
+BNP on the same batch, interleaved, median of repeats; and measures the peak memory of
+training in separate processes (CUDA: ``max_memory_allocated``; CPU: the peak resident set
+during the steps minus the resident set before the first step, read from
+``/proc/self/status`` after resetting the high-water mark).
+
+``ratios.step_bnp_vs_plain`` / ``ratios.mem_bnp_vs_plain`` refer to ResNet-18.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from _common import interleaved_medians, machine, use_stable_allocator, write_json  # noqa: I001
+
+import distnorm
+
+MODELS = {
+    # name: (builder, input size, quick input size, batch, quick batch)
+    "resnet18": ("torchvision", 224, 64, 16, 4),
+    "resnet20": ("distnorm", 32, 32, 64, 8),
+}
+
+
+def build(name: str) -> nn.Module | None:
+    torch.manual_seed(0)
+    if name == "resnet18":
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=1000)
+    try:
+        from distnorm import models
+    except ImportError:
+        return None
+    return models.create(name, num_classes=10)
+
+
+class Step:
+    """One training step of a model copy with its own optimizer."""
+
+    def __init__(self, model: nn.Module, use_bnp: bool, x: torch.Tensor, y: torch.Tensor):
+        self.model = model.to(x.device).train()
+        if use_bnp:
+            distnorm.bnp.attach(self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+        self.x, self.y = x, y
+        self.loss = nn.CrossEntropyLoss()
+
+    def __call__(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.loss(self.model(self.x), self.y).backward()
+        self.opt.step()
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_probe(name: str, use_bnp: bool, quick: bool, device: str, steps: int = 3) -> int:
+    """Peak bytes the training steps add (run in a fresh process per variant)."""
+    _, size, qsize, batch, qbatch = MODELS[name]
+    size, batch = (qsize, qbatch) if quick else (size, batch)
+    dev = torch.device(device)
+    x = torch.randn(batch, 3, size, size, device=dev)
+    y = torch.randint(0, 10, (batch,), device=dev)
+    step = Step(build(name), use_bnp, x, y)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        for _ in range(steps):
+            step()
+        return torch.cuda.max_memory_allocated(dev) - before
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    before = _rss_kib("VmRSS")
+    for _ in range(steps):
+        step()
+    return (_rss_kib("VmHWM") - before) * 1024
+
+
+def peak_memory(name: str, use_bnp: bool, quick: bool, device: str) -> int:
+    cmd = [sys.executable, __file__, "--memory-probe", name, "--device", device]
+    cmd += ["--bnp"] if use_bnp else []
+    cmd += ["--quick"] if quick else []
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> dict | None:
+    model = build(name)
+    if model is None:
+        return None
+    _, size, qsize, batch, qbatch = MODELS[name]
+    size, batch = (qsize, qbatch) if quick else (size, batch)
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    steps = {"plain": Step(copy.deepcopy(model), False, x, y), "bnp": Step(copy.deepcopy(model), True, x, y)}
+    medians = interleaved_medians(steps, repeats, device, warmup=1)
+    mem = {variant: peak_memory(name, variant == "bnp", quick, str(device)) for variant in steps}
+    return {
+        "input": [batch, 3, size, size],
+        "median_step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
+        "step_bnp_vs_plain": round(medians["bnp"] / medians["plain"], 4),
+        "peak_step_memory_bytes": mem,
+        "mem_bnp_vs_plain": round(mem["bnp"] / mem["plain"], 4),
+        "bnp_layers": len(distnorm.bnp.attach(copy.deepcopy(model)).layers),
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
+    parser.add_argument("--bnp", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.memory_probe:
+        print(memory_probe(args.memory_probe, args.bnp, args.quick, args.device))
+        return {}
+    device = torch.device(args.device)
+    repeats = args.repeats or (2 if args.quick else 9)
+    results = {}
+    for name in MODELS:
+        entry = bench_model(name, args.quick, repeats, device)
+        if entry is None:
+            print(f"{name}: not available (distnorm.models missing)")
+            continue
+        results[name] = entry
+        print(f"{name} {tuple(entry['input'])}: step ms {entry['median_step_ms']} -> "
+              f"{entry['step_bnp_vs_plain']}x; peak step memory {entry['peak_step_memory_bytes']} -> "
+              f"{entry['mem_bnp_vs_plain']}x ({entry['bnp_layers']} BNP layers)")
+    ratios = {
+        "step_bnp_vs_plain": results["resnet18"]["step_bnp_vs_plain"],
+        "mem_bnp_vs_plain": results["resnet18"]["mem_bnp_vs_plain"],
+    }
+    if "resnet20" in results:
+        ratios["step_bnp_vs_plain_resnet20"] = results["resnet20"]["step_bnp_vs_plain"]
+        ratios["mem_bnp_vs_plain_resnet20"] = results["resnet20"]["mem_bnp_vs_plain"]
+    payload = {"benchmark": "bnp", "machine": machine(), "device": str(device), "repeats": repeats,
+               "models": results, "ratios": ratios}
+    print(f"ratios: {json.dumps(ratios)}")
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    use_stable_allocator()
+    main()

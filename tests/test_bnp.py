@@ -1,0 +1,265 @@
+"""BNP: the gradient transform against explicit float64 matrices, DDP equivalence, detach."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import distnorm
+from tests.distributed import run_distributed
+
+RHO = 0.5  # a small momentum makes the running moments move visibly in two steps
+
+
+def _input_moments(layer: nn.Module, x: torch.Tensor):
+    """Per-input-channel mean and biased variance, computed independently of distnorm."""
+    if isinstance(layer, nn.Linear):
+        h = x.reshape(-1, x.shape[-1])
+        return h.mean(0), h.var(0, unbiased=False), h.shape[0]
+    dims = [0] + list(range(2, x.dim()))
+    return x.mean(dims), x.var(dims, unbiased=False), x.shape[0]
+
+
+def _q2(layer: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> float:
+    fan_in = math.prod(layer.weight.shape[1:])
+    if isinstance(layer, nn.Linear):
+        return max(fan_in / n, 1.0)
+    return max(fan_in / n, math.sqrt(math.prod(y.shape[2:])))
+
+
+def _explicit_transform(grad_w, grad_b, mu, var_t, q2, groups):
+    """(1/q²) P Pᵀ [G_b; G_w] built as explicit matrices, one output channel at a time."""
+    out = grad_w.shape[0]
+    per_group = grad_w.shape[1]
+    ksize = math.prod(grad_w.shape[2:])
+    new_w, new_b = torch.empty_like(grad_w), torch.empty(out, dtype=grad_w.dtype)
+    for d in range(out):
+        g = d // (out // groups)
+        channels = torch.arange(g * per_group, (g + 1) * per_group)
+        m = mu[channels].repeat_interleave(ksize)  # mu ⊗ e, in vec(G_w[d]) order
+        v = var_t[channels].repeat_interleave(ksize)
+        k = m.numel()
+        if grad_b is None:
+            D = torch.diag(1 / torch.sqrt(v))
+            new_w[d] = ((D @ D.T @ grad_w[d].reshape(-1)) / q2).view_as(grad_w[d])
+            continue
+        U = torch.eye(k + 1, dtype=torch.float64)
+        U[0, 1:] = -m
+        D = torch.diag(torch.cat([torch.ones(1, dtype=torch.float64), 1 / torch.sqrt(v)]))
+        P = U @ D
+        vec = torch.cat([grad_b[d].view(1), grad_w[d].reshape(-1)])
+        res = P @ P.T @ vec / q2
+        new_b[d] = res[0]
+        new_w[d] = res[1:].view_as(grad_w[d])
+    return new_w, (None if grad_b is None else new_b)
+
+
+LAYERS = {
+    "dense": (lambda: nn.Linear(5, 3), (7, 5)),
+    "dense_3d_input": (lambda: nn.Linear(5, 3), (2, 4, 5)),
+    "dense_no_bias": (lambda: nn.Linear(5, 3, bias=False), (7, 5)),
+    "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1), (5, 3, 9)),
+    "conv2d": (lambda: nn.Conv2d(4, 6, 3, padding=1), (3, 4, 6, 5)),
+    "conv2d_strided_no_bias": (lambda: nn.Conv2d(4, 6, 3, stride=2, bias=False), (3, 4, 9, 9)),
+    "grouped": (lambda: nn.Conv2d(4, 6, 3, padding=1, groups=2), (3, 4, 5, 5)),
+    "depthwise": (lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False), (3, 4, 5, 5)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2), (2, 2, 4, 4, 3)),
+}
+
+
+@pytest.mark.parametrize("add_bias", [True, False])
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_transform_equals_explicit_matrices(kind, add_bias):
+    make, shape = LAYERS[kind]
+    plain = make().double()
+    layer = copy.deepcopy(plain)
+    distnorm.bnp.attach(layer, momentum=RHO, add_bias=add_bias)
+    if layer.bias is not None and plain.bias is None:  # BNP added a (zero) bias
+        plain.bias = nn.Parameter(torch.zeros_like(layer.bias))
+    mu = torch.zeros(shape[-1] if isinstance(plain, nn.Linear) else shape[1], dtype=torch.float64)
+    var = torch.ones_like(mu)
+    for step in range(2):
+        x = torch.randn(*shape, dtype=torch.float64) * (1 + step) + torch.linspace(-2, 2, mu.numel()).view(
+            [1] * (len(shape) - 1) + [-1] if isinstance(plain, nn.Linear) else [1, -1] + [1] * (len(shape) - 2))
+        gy = None
+        for model in (plain, layer):
+            model.zero_grad()
+            y = model(x)
+            if gy is None:
+                gy = torch.randn_like(y)
+            y.backward(gy)
+        m_h, v_h, n = _input_moments(plain, x)
+        mu = RHO * mu + (1 - RHO) * m_h
+        var = RHO * var + (1 - RHO) * v_h
+        torch.testing.assert_close(layer.bnp_mean, mu, atol=1e-12, rtol=0)
+        torch.testing.assert_close(layer.bnp_var, var, atol=1e-12, rtol=0)
+        var_t = var + 1e-2 * var.max() + 1e-4
+        q2 = _q2(plain, x, y, n)
+        grad_b = plain.bias.grad if layer.bias is not None else None
+        want_w, want_b = _explicit_transform(plain.weight.grad, grad_b, mu, var_t, q2, getattr(plain, "groups", 1))
+        torch.testing.assert_close(layer.weight.grad, want_w, atol=1e-10, rtol=1e-10)
+        if want_b is not None:
+            torch.testing.assert_close(layer.bias.grad, want_b, atol=1e-10, rtol=1e-10)
+    if kind.endswith("no_bias") or kind == "depthwise":
+        assert (layer.bias is not None) == add_bias
+
+
+def test_dense_single_sample_uses_running_mean_for_variance():
+    layer = nn.Linear(3, 2).double()
+    distnorm.bnp.attach(layer, momentum=RHO)
+    x1 = torch.randn(8, 3, dtype=torch.float64)
+    layer(x1).sum().backward()
+    mu1 = layer.bnp_mean.clone()
+    var1 = layer.bnp_var.clone()
+    x2 = torch.randn(1, 3, dtype=torch.float64)
+    layer(x2).sum().backward()
+    torch.testing.assert_close(layer.bnp_mean, RHO * mu1 + (1 - RHO) * x2[0])
+    torch.testing.assert_close(layer.bnp_var, RHO * var1 + (1 - RHO) * (x2[0] - mu1) ** 2)
+
+
+def test_no_grad_and_eval_forwards_touch_nothing():
+    plain = nn.Conv2d(3, 4, 3).double()
+    layer = copy.deepcopy(plain)
+    distnorm.bnp.attach(layer)
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    with torch.no_grad():
+        layer(x)
+    assert torch.equal(layer.bnp_mean, torch.zeros(3, dtype=torch.float64))
+    layer.eval(), plain.eval()
+    layer(x).sum().backward()
+    plain(x).sum().backward()
+    assert torch.equal(layer.bnp_var, torch.ones(3, dtype=torch.float64))
+    assert torch.equal(layer.weight.grad, plain.weight.grad)  # eval: plain gradient
+
+
+def _small_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.GroupNorm(4, 8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), nn.ReLU(),
+        nn.Conv2d(8, 8, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
+    )
+
+
+def test_detach_restores_bit_identical_behaviour():
+    reference = _small_cnn()
+    model = copy.deepcopy(reference)
+    keys = list(model.state_dict())
+    handle = distnorm.bnp.attach(model)
+    x = torch.randn(4, 3, 6, 6)
+    with torch.no_grad():  # attached and untrained: the forward value is unchanged
+        assert torch.equal(model(x), reference(x))
+    handle.detach()
+    assert list(model.state_dict()) == keys
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert not any(hasattr(m, "_distnorm_bnp") for m in model.modules())
+    for m in (model, reference):
+        m(x).square().sum().backward()
+    for (n1, p1), (n2, p2) in zip(model.named_parameters(), reference.named_parameters()):
+        assert n1 == n2 and torch.equal(p1.grad, p2.grad), n1
+    assert torch.equal(model(x), reference(x))
+
+
+def test_detach_warns_about_trained_added_bias():
+    model = nn.Sequential(nn.Linear(4, 3, bias=False))
+    handle = distnorm.bnp.attach(model)
+    with torch.no_grad():
+        model[0].bias.fill_(0.5)
+    with pytest.warns(UserWarning, match=r"\['0'\]"):
+        handle.detach()
+    assert model[0].bias is None
+
+
+def test_handle_state_dict_round_trip_and_model_state_dict():
+    model = _small_cnn()
+    handle = distnorm.bnp.attach(model, exclude=["9"])
+    assert set(handle.layers) == {"0", "3", "5"}
+    model(torch.randn(4, 3, 6, 6)).sum().backward()
+    assert "0.bnp_mean" in model.state_dict() and "9.bnp_mean" not in model.state_dict()
+    saved = handle.state_dict()
+    other = _small_cnn()
+    other_handle = distnorm.bnp.attach(other, exclude=[nn.Linear])
+    other_handle.load_state_dict(saved)
+    for name in handle.layers:
+        assert torch.equal(other_handle.layers[name].bnp_var, handle.layers[name].bnp_var)
+    other2 = _small_cnn()
+    distnorm.bnp.attach(other2, exclude=["9"])
+    other2.load_state_dict(model.state_dict())  # the moments travel with the model's state_dict
+    assert torch.equal(other2[0].bnp_mean, model[0].bnp_mean)
+    with pytest.raises(ValueError, match="configuration"):
+        distnorm.bnp.attach(_small_cnn(), momentum=0.9, exclude=["9"]).load_state_dict(saved)
+    assert distnorm.check_consistency(model) == 6
+
+
+def test_moments_stay_float32_after_bfloat16():
+    model = nn.Sequential(nn.Linear(4, 4))
+    distnorm.bnp.attach(model)
+    model.bfloat16()
+    model(torch.randn(8, 4, dtype=torch.bfloat16)).float().sum().backward()
+    assert model[0].bnp_mean.dtype == torch.float32
+    assert model[0].weight.grad.dtype == torch.bfloat16
+
+
+def test_bad_input():
+    model = _small_cnn()
+    distnorm.bnp.attach(model)
+    with pytest.raises(ValueError, match="already attached"):
+        distnorm.bnp.attach(model)
+    with pytest.raises(TypeError, match="ConvTranspose2d"):
+        distnorm.bnp.attach(_small_cnn(), layers=(nn.Conv2d, nn.ConvTranspose2d))
+    with pytest.raises(ValueError, match="no layer"):
+        distnorm.bnp.attach(nn.Sequential(nn.ReLU()))
+    with pytest.raises(ValueError, match="momentum"):
+        distnorm.bnp.attach(_small_cnn(), momentum=1.0)
+    with pytest.raises(ValueError, match="both be 0"):
+        distnorm.bnp.attach(_small_cnn(), eps1=0, eps2=0)
+
+
+# ---------------------------------------------------------------- 2 ranks under DDP
+def _ddp_worker(rank, world, steps=3):
+    torch.manual_seed(123)
+    x_all = torch.randn(8, 3, 6, 6)
+    y_all = torch.randint(0, 5, (8,))
+
+    reference = _small_cnn()
+    distnorm.bnp.attach(reference)
+    model = _small_cnn()
+    distnorm.bnp.attach(model)
+    with pytest.raises(TypeError, match="already wrapped by torch DistributedDataParallel"):
+        distnorm.bnp.attach(DDP(_small_cnn(), broadcast_buffers=False))
+    ddp = DDP(model, broadcast_buffers=False)
+
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    half = x_all.shape[0] // world
+    lo, hi = rank * half, (rank + 1) * half
+    loss_fn = nn.CrossEntropyLoss()
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        loss_fn(reference(x_all), y_all).backward()
+        opt.zero_grad()
+        loss_fn(ddp(x_all[lo:hi]), y_all[lo:hi]).backward()
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-6, rtol=1e-5, msg=name)
+        for name, b in reference.named_buffers():
+            torch.testing.assert_close(dict(model.named_buffers())[name], b, atol=1e-6, rtol=1e-5, msg=name)
+        opt_ref.step()
+        opt.step()
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p, p_ref, atol=1e-6, rtol=1e-5)
+    assert distnorm.check_consistency(ddp) == 8
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+@pytest.mark.world_size(2)
+def test_ddp_two_ranks_equal_one_process(tmp_path):
+    b0, b1 = run_distributed(_ddp_worker, 2, tmp_path)
+    for name in b0:
+        assert torch.equal(b0[name], b1[name]), name
