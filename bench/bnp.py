@@ -2,12 +2,10 @@
 
     python bench/bnp.py --json bench/results/bnp-cpu.json [--quick] [--device cuda]
 
-For each model (torchvision ResNet-18, and the CIFAR ResNet-20 of ``distnorm.models`` when
-available), times one SGD training step (forward, backward, optimizer step) with and without
-BNP on the same batch, interleaved, median of repeats; and measures the peak memory of
-training in separate processes (CUDA: ``max_memory_allocated``; CPU: the peak resident set
-during the steps minus the resident set before the first step, read from
-``/proc/self/status`` after resetting the high-water mark).
+For each model (torchvision ResNet-18, and the CIFAR ResNet-20 of ``distnorm.models``, both
+with PyTorch's local BatchNorm), times one SGD training step (forward, backward, optimizer
+step) with and without BNP on the same batch, interleaved, median of repeats; and measures
+the memory of training (see :func:`memory_bytes`).
 
 ``ratios.step_bnp_vs_plain`` / ``ratios.mem_bnp_vs_plain`` refer to ResNet-18.
 """
@@ -17,9 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -45,7 +40,7 @@ def build(name: str) -> nn.Module | None:
         from distnorm import models
     except ImportError:
         return None
-    return models.create(name, num_classes=10)
+    return models.create(name, num_classes=10, norm="local_bn")  # same BatchNorm as torchvision's
 
 
 class Step:
@@ -65,40 +60,37 @@ class Step:
         self.opt.step()
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+def memory_bytes(step: Step, device: torch.device) -> int:
+    """Memory a training step needs.
 
-
-def memory_probe(name: str, use_bnp: bool, quick: bool, device: str, steps: int = 3) -> int:
-    """Peak bytes the training steps add (run in a fresh process per variant)."""
-    _, size, qsize, batch, qbatch = MODELS[name]
-    size, batch = (qsize, qbatch) if quick else (size, batch)
-    dev = torch.device(device)
-    x = torch.randn(batch, 3, size, size, device=dev)
-    y = torch.randint(0, 10, (batch,), device=dev)
-    step = Step(build(name), use_bnp, x, y)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        for _ in range(steps):
-            step()
-        return torch.cuda.max_memory_allocated(dev) - before
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _rss_kib("VmRSS")
-    for _ in range(steps):
+    CUDA: the peak allocated during a step, above what was allocated before it. CPU (no
+    allocator statistics): an exact account of what training keeps — parameters, buffers,
+    gradients, optimizer state, and the distinct storages autograd saves for backward —
+    which excludes transient temporaries of the backward pass.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         step()
-    return (_rss_kib("VmHWM") - before) * 1024
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    storages: dict[int, int] = {}
 
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
 
-def peak_memory(name: str, use_bnp: bool, quick: bool, device: str) -> int:
-    cmd = [sys.executable, __file__, "--memory-probe", name, "--device", device]
-    cmd += ["--bnp"] if use_bnp else []
-    cmd += ["--quick"] if quick else []
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
-    return int(out.stdout.strip().splitlines()[-1])
+    step.opt.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step.loss(step.model(step.x), step.y)
+    loss.backward()
+    step.opt.step()
+    model_state = [*step.model.parameters(), *step.model.buffers()]
+    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
+    opt_state = [v for state in step.opt.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(storages.values()) + sum(t.numel() * t.element_size() for t in model_state + grads + opt_state)
 
 
 def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> dict | None:
@@ -111,12 +103,13 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
     y = torch.randint(0, 10, (batch,), device=device)
     steps = {"plain": Step(copy.deepcopy(model), False, x, y), "bnp": Step(copy.deepcopy(model), True, x, y)}
     medians = interleaved_medians(steps, repeats, device, warmup=1)
-    mem = {variant: peak_memory(name, variant == "bnp", quick, str(device)) for variant in steps}
+    mem = {variant: memory_bytes(step, device) for variant, step in steps.items()}
     return {
         "input": [batch, 3, size, size],
         "median_step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
         "step_bnp_vs_plain": round(medians["bnp"] / medians["plain"], 4),
-        "peak_step_memory_bytes": mem,
+        "memory_bytes": mem,
+        "memory_method": "cuda peak allocated" if device.type == "cuda" else "params+buffers+grads+optimizer state+saved for backward",
         "mem_bnp_vs_plain": round(mem["bnp"] / mem["plain"], 4),
         "bnp_layers": len(distnorm.bnp.attach(copy.deepcopy(model)).layers),
     }
@@ -128,12 +121,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--memory-probe", help=argparse.SUPPRESS)
-    parser.add_argument("--bnp", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.memory_probe:
-        print(memory_probe(args.memory_probe, args.bnp, args.quick, args.device))
-        return {}
     device = torch.device(args.device)
     repeats = args.repeats or (2 if args.quick else 9)
     results = {}
@@ -144,7 +132,7 @@ def main(argv=None) -> dict:
             continue
         results[name] = entry
         print(f"{name} {tuple(entry['input'])}: step ms {entry['median_step_ms']} -> "
-              f"{entry['step_bnp_vs_plain']}x; peak step memory {entry['peak_step_memory_bytes']} -> "
+              f"{entry['step_bnp_vs_plain']}x; memory {entry['memory_bytes']} -> "
               f"{entry['mem_bnp_vs_plain']}x ({entry['bnp_layers']} BNP layers)")
     ratios = {
         "step_bnp_vs_plain": results["resnet18"]["step_bnp_vs_plain"],

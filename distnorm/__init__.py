@@ -13,6 +13,7 @@ Quick start::
 from distnorm import bnp, functional
 from distnorm._debug import debug
 from distnorm.consistency import check_consistency
+from distnorm.convert import PreNorm, conversion_summary, convert, revert
 from distnorm.errors import (
     CollectiveMismatchError,
     DistNormError,
@@ -30,6 +31,10 @@ __all__ = [
     "set_lr",
     "name_layers",
     "check_consistency",
+    "convert",
+    "revert",
+    "conversion_summary",
+    "PreNorm",
     "debug",
     "functional",
     "bnp",

@@ -40,3 +40,5 @@ def test_bench_bnp_quick(tmp_path):
     assert {"step_bnp_vs_plain", "mem_bnp_vs_plain"} <= set(result["ratios"])
     assert all(v > 0 for v in result["ratios"].values())
     assert result["models"]["resnet18"]["bnp_layers"] == 21
+    assert result["models"]["resnet20"]["bnp_layers"] == 20
+    assert "step_bnp_vs_plain_resnet20" in result["ratios"]

@@ -1,0 +1,464 @@
+"""Convert a model's BatchNorm layers to synchronized CBN / POP-Norm / BN, GroupNorm, or none.
+
+``distnorm.convert(model, norm="cbn")`` is the entry point users reach for first: it works
+on models they own, not only on ours.
+
+* ``"cbn"`` / ``"popnorm"`` are **pre-operation** (paper 002, Fig. 1c): every BatchNorm that
+  follows a conv / linear layer is removed, and a CBN / POP-Norm over that layer's *input*
+  channels is inserted before it, so normalization sits after the previous nonlinearity.
+  The conv → BN pairs come from the model's dataflow (``torch.fx``), not from attribute
+  names; a model ``torch.fx`` cannot trace falls back to pairing modules in registration
+  order, with a warning listing the pairs it chose.
+* ``"bn"`` swaps each BatchNorm for :class:`distnorm.SyncBatchNorm` in place, sharing the
+  same Parameter and buffer objects (``state_dict`` keys and values unchanged).
+* ``"gn"`` swaps each BatchNorm for ``nn.GroupNorm`` (for BNP + GN); ``"none"`` removes them.
+* ``activation=`` swaps every activation module for relu / sigmoid / tanh / selu / swish,
+  keeping the sigmoid gates of squeeze-excitation blocks (found from the dataflow: an
+  activation whose output multiplies another tensor). It also turns ``inplace=True`` off
+  throughout the model: the architecture's in-place choices were made for its own
+  activations, and a later in-place op could overwrite what the new one needs.
+
+Every replacement is recorded on the model, so :func:`revert` puts the original module
+objects back, and :func:`conversion_summary` reports what was replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from distnorm._collectives import ProcessGroup
+from distnorm._wrappers import refuse_wrapped
+from distnorm.layers import CBN, POPNorm, SyncBatchNorm, _DistNormLayer, name_layers
+
+__all__ = ["NORMS", "ACTIVATIONS", "PreNorm", "convert", "revert", "conversion_summary"]
+
+logger = logging.getLogger(__name__)
+
+NORMS = ("cbn", "popnorm", "bn", "gn", "none")
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "relu": nn.ReLU,
+    "sigmoid": nn.Sigmoid,
+    "tanh": nn.Tanh,
+    "selu": nn.SELU,
+    "swish": nn.SiLU,
+}
+
+_ACTIVATION_ALIASES = {"silu": "swish"}
+
+BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, SyncBatchNorm)
+LINEAR_OPS: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+ACTIVATION_MODULES: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
+    nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Sigmoid, nn.Tanh, nn.Hardtanh,
+    nn.Softplus, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid,
+)
+_GATES = (nn.Sigmoid, nn.Hardsigmoid)
+_MUL_TARGETS = {operator.mul, torch.mul, operator.imul}
+
+
+class PreNorm(nn.Module):
+    """``op(norm(x))``: a pre-operation normalization in front of a conv / linear layer.
+
+    Attribute lookups that ``PreNorm`` does not answer itself (``weight``,
+    ``in_channels``, ``out_features``, ...) are forwarded to ``op``, so code written for the
+    original layer keeps working.
+    """
+
+    def __init__(self, norm: nn.Module, op: nn.Module):
+        super().__init__()
+        self.norm = norm
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(self.norm(x))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "op" in modules:
+                return getattr(modules["op"], name)
+            raise
+
+
+@dataclass
+class _Change:
+    path: str
+    original: nn.Module
+    description: str
+
+
+@dataclass
+class _Record:
+    """What :func:`convert` did to a model (stored as ``model._distnorm_conversion``)."""
+
+    norm: str | None
+    activation: str | None
+    changes: list[_Change] = field(default_factory=list)
+    inplace_disabled: list[str] = field(default_factory=list)  # paths whose inplace was True
+
+    def summary(self) -> dict[str, int]:
+        return dict(Counter(c.description for c in self.changes))
+
+
+def _get(model: nn.Module, path: str) -> nn.Module:
+    return model.get_submodule(path) if path else model
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    if not path:
+        raise ValueError(
+            f"convert: the model itself is a {type(model).__name__}; wrap it in a container "
+            "(e.g. nn.Sequential) so that it can be replaced"
+        )
+    parent_path, _, name = path.rpartition(".")
+    setattr(_get(model, parent_path), name, module)
+
+
+def _like(new: nn.Module, reference: nn.Module) -> nn.Module:
+    """Give ``new`` the device, float dtype and training mode of ``reference``."""
+    tensors = list(reference.parameters(recurse=False)) + list(reference.buffers(recurse=False))
+    floats = [t for t in tensors if t.is_floating_point()]
+    if floats:
+        new.to(device=floats[0].device, dtype=floats[0].dtype)
+    elif tensors:
+        new.to(device=tensors[0].device)
+    return new.train(reference.training)
+
+
+def _channels_in(op: nn.Module) -> int:
+    return op.in_features if isinstance(op, nn.Linear) else op.in_channels
+
+
+def _channels_out(op: nn.Module) -> int:
+    return op.out_features if isinstance(op, nn.Linear) else op.out_channels
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx tracer that keeps distnorm's own modules as leaves (their forwards call
+    autograd Functions that cannot take proxies)."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, (_DistNormLayer, PreNorm)) or super().is_leaf_module(m, module_qualified_name)
+
+
+def _trace(model: nn.Module) -> fx.GraphModule | None:
+    try:
+        return fx.GraphModule(model, _Tracer().trace(model))
+    except Exception as err:  # noqa: BLE001 - any tracing failure means "use the fallback"
+        logger.debug("torch.fx could not trace %s: %s", type(model).__name__, err)
+        return None
+
+
+def _pairs_from_graph(graph_module: fx.GraphModule, modules: dict[str, nn.Module]):
+    """``(pairs, unpaired)``: BN paths whose input comes straight from a conv / linear."""
+    pairs: list[tuple[str, str]] = []
+    unpaired: list[str] = []
+    seen_bn: Counter = Counter()
+    seen_op: Counter = Counter()
+    for node in graph_module.graph.nodes:
+        if node.op != "call_module" or not isinstance(modules.get(node.target), BATCH_NORMS):
+            continue
+        seen_bn[node.target] += 1
+        source = node.args[0] if node.args else None
+        if (
+            isinstance(source, fx.Node)
+            and source.op == "call_module"
+            and isinstance(modules.get(source.target), LINEAR_OPS)
+            and _channels_out(modules[source.target]) == modules[node.target].num_features
+        ):
+            seen_op[source.target] += 1
+            pairs.append((source.target, node.target))
+        else:
+            unpaired.append(node.target)
+    reused = [name for name, n in (seen_bn + seen_op).items() if n > 1]
+    if reused:
+        raise ValueError(
+            f"convert: modules {reused} are called more than once in the forward, so moving "
+            "normalization in front of them is ambiguous; give each call its own module"
+        )
+    return pairs, unpaired
+
+
+def _pairs_by_registration(modules: dict[str, nn.Module]):
+    """Fallback for untraceable models: each BN pairs with the closest preceding conv /
+    linear in registration order whose output channels match."""
+    pairs, unpaired = [], []
+    last_op: str | None = None
+    for name, module in modules.items():
+        if isinstance(module, LINEAR_OPS):
+            last_op = name
+        elif isinstance(module, BATCH_NORMS):
+            if last_op is not None and _channels_out(modules[last_op]) == module.num_features:
+                pairs.append((last_op, name))
+                last_op = None
+            else:
+                unpaired.append(name)
+    return pairs, unpaired
+
+
+def _gates(graph_module: fx.GraphModule | None, modules: dict[str, nn.Module]) -> set[str]:
+    """Sigmoid-like activations that gate a product (squeeze-excitation)."""
+    if graph_module is not None:
+        gates = set()
+        for node in graph_module.graph.nodes:
+            if node.op == "call_module" and isinstance(modules.get(node.target), _GATES):
+                for user in node.users:
+                    if (user.op == "call_function" and user.target in _MUL_TARGETS) or (
+                        user.op == "call_method" and user.target in ("mul", "mul_")
+                    ):
+                        gates.add(node.target)
+        return gates
+    # Untraceable model: recognise gates by the conventional names of SE implementations.
+    gates = set()
+    for name, module in modules.items():
+        parent, _, attr = name.rpartition(".")
+        parent_cls = type(modules.get(parent, nn.Module())).__name__.lower()
+        if isinstance(module, _GATES) and (attr in ("scale_activation", "gate") or "squeezeexcit" in parent_cls):
+            gates.add(name)
+    return gates
+
+
+def _new_norm(norm: str, bn: nn.Module, process_group: ProcessGroup | None, layer_kwargs: dict) -> nn.Module:
+    channels = bn.num_features
+    if norm == "bn":
+        new = SyncBatchNorm(
+            channels, eps=layer_kwargs.get("eps", bn.eps), momentum=layer_kwargs.get("momentum", bn.momentum),
+            affine=bn.affine, track_running_stats=bn.track_running_stats, process_group=process_group,
+        )
+        # Share the very same Parameter / buffer objects: state_dict keys and values, and the
+        # optimizer's references, stay valid.
+        for key in ("weight", "bias"):
+            new._parameters[key] = bn._parameters.get(key)
+        for key in ("running_mean", "running_var", "num_batches_tracked"):
+            new._buffers[key] = bn._buffers.get(key)
+        return new.train(bn.training)
+    if norm == "gn":
+        groups = _group_count(channels, layer_kwargs)
+        new = nn.GroupNorm(groups, channels, eps=layer_kwargs.get("eps", bn.eps), affine=bn.affine)
+        if bn.affine:
+            with torch.no_grad():
+                new.weight.copy_(bn.weight)
+                new.bias.copy_(bn.bias)
+        return _like(new, bn)
+    return _like(nn.Identity(), bn)  # "none" and the removed BN of the pre-op modes
+
+
+def _group_count(channels: int, layer_kwargs: dict) -> int:
+    """GroupNorm groups: ``num_groups`` (default 32) or ``group_size`` channels per group,
+    reduced to the largest divisor of ``channels`` not above it."""
+    if "num_groups" in layer_kwargs and "group_size" in layer_kwargs:
+        raise ValueError("convert(norm='gn'): give num_groups or group_size, not both")
+    if "group_size" in layer_kwargs:
+        wanted = max(channels // int(layer_kwargs["group_size"]), 1)
+    else:
+        wanted = int(layer_kwargs.get("num_groups", 32))
+    if wanted < 1:
+        raise ValueError(f"convert(norm='gn'): num_groups must be >= 1, got {wanted}")
+    return max(d for d in range(1, min(wanted, channels) + 1) if channels % d == 0)
+
+
+def _pre_norm(norm: str, op: nn.Module, process_group: ProcessGroup | None, layer_kwargs: dict) -> nn.Module:
+    cls = CBN if norm == "cbn" else POPNorm
+    return _like(cls(_channels_in(op), process_group=process_group, **layer_kwargs), op)
+
+
+_KWARGS = {
+    "cbn": {"rho", "amat", "omega", "eps", "momentum", "r_max", "eval_stats", "sync"},
+    "popnorm": {"kappa", "eps", "momentum", "sync"},
+    "bn": {"eps", "momentum"},
+    "gn": {"num_groups", "group_size", "eps"},
+    "none": set(),
+    None: set(),
+}
+
+
+def convert(
+    model: nn.Module,
+    norm: str | None = "cbn",
+    activation: str | None = None,
+    process_group: ProcessGroup | None = None,
+    *,
+    unpaired: str = "error",
+    **layer_kwargs: Any,
+) -> nn.Module:
+    """Convert ``model``'s BatchNorm layers (and optionally activations) in place.
+
+    Args:
+        model: the bare model (not yet wrapped by DDP / DeepSpeed / FSDP).
+        norm: ``"cbn"``, ``"popnorm"`` (pre-operation), ``"bn"`` (synchronized BatchNorm),
+            ``"gn"`` (GroupNorm), ``"none"`` (remove), or ``None`` to leave the
+            normalization alone (e.g. to change only the activation).
+        activation: ``"relu"``, ``"sigmoid"``, ``"tanh"``, ``"selu"``, ``"swish"``, or
+            ``None`` to keep the model's activations.
+        process_group: group the new synchronized layers reduce over.
+        unpaired: pre-op modes only — what to do with a BatchNorm whose input does not come
+            straight from a conv / linear: ``"error"`` (default) or ``"sync"`` (make it a
+            synchronized BatchNorm in place, with a warning naming it).
+        **layer_kwargs: passed to the new layers (``rho``, ``omega``, ``kappa``, ``eps``,
+            ``momentum``, ...; ``num_groups`` or ``group_size`` for ``"gn"``).
+
+    Returns:
+        ``model`` itself, converted; :func:`conversion_summary` tells what was replaced.
+
+    Raises:
+        ValueError: unknown ``norm`` / ``activation`` / keyword, an unpaired BatchNorm with
+            ``unpaired="error"``, or a model already converted differently.
+        TypeError: the model is wrapped by DDP / DeepSpeed / FSDP.
+
+    Example:
+        >>> import torch, distnorm
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        ...                           torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        >>> net = distnorm.convert(net, norm="cbn", activation="tanh")
+        >>> distnorm.conversion_summary(net)
+        {'BatchNorm2d -> removed (pre-op CBN)': 2, 'Conv2d -> CBN + Conv2d': 2, 'ReLU -> Tanh': 2}
+    """
+    refuse_wrapped(model, "distnorm.convert()")
+    if norm is not None and norm not in NORMS:
+        raise ValueError(f"convert: unknown norm {norm!r}; choose one of {NORMS} (or None to keep BatchNorm)")
+    if activation is not None:
+        activation = _ACTIVATION_ALIASES.get(activation, activation)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"convert: unknown activation {activation!r}; choose one of {tuple(ACTIVATIONS)} or None")
+    if unpaired not in ("error", "sync"):
+        raise ValueError(f"convert: unpaired must be 'error' or 'sync', got {unpaired!r}")
+    unknown = set(layer_kwargs) - _KWARGS[norm]
+    if unknown:
+        raise ValueError(
+            f"convert(norm={norm!r}): unknown keyword(s) {sorted(unknown)}; accepted: {sorted(_KWARGS[norm])}"
+        )
+
+    record: _Record | None = getattr(model, "_distnorm_conversion", None)
+    if record is not None:
+        same_norm = norm is None or norm == record.norm
+        same_act = activation is None or activation == record.activation
+        if same_norm and same_act:
+            return model  # idempotent
+        if not same_norm and record.norm is not None:
+            raise ValueError(
+                f"convert: the model was already converted with norm={record.norm!r}; "
+                "call distnorm.revert(model) before converting it to another norm"
+            )
+    else:
+        record = _Record(norm=None, activation=None)
+
+    modules = dict(model.named_modules())
+    graph_module = _trace(model)
+    if norm is not None and record.norm is None:
+        _convert_norms(model, modules, graph_module, norm, process_group, unpaired, layer_kwargs, record)
+        record.norm = norm
+    if activation is not None and activation != record.activation:
+        _swap_activations(model, dict(model.named_modules()), modules, graph_module, activation, record)
+        record.activation = activation
+    model._distnorm_conversion = record
+    name_layers(model)
+    logger.info("distnorm.convert: %s", record.summary())
+    return model
+
+
+def _convert_norms(model, modules, graph_module, norm, process_group, unpaired, layer_kwargs, record) -> None:
+    bns = [name for name, m in modules.items() if isinstance(m, BATCH_NORMS)]
+    if norm in ("bn", "gn", "none"):
+        for name in bns:
+            bn = modules[name]
+            new = _new_norm(norm, bn, process_group, layer_kwargs)
+            _set(model, name, new)
+            target = {"bn": "SyncBatchNorm", "gn": "GroupNorm", "none": "removed"}[norm]
+            record.changes.append(_Change(name, bn, f"{type(bn).__name__} -> {target}"))
+        return
+
+    if graph_module is not None:
+        pairs, lonely = _pairs_from_graph(graph_module, modules)
+    else:
+        pairs, lonely = _pairs_by_registration(modules)
+        if pairs:
+            listing = ", ".join(f"{op} -> {bn}" for op, bn in pairs)
+            warnings.warn(
+                f"convert: torch.fx cannot trace {type(model).__name__}, so conv -> BatchNorm pairs were "
+                f"taken from registration order: {listing}. Check them, or make the model traceable.",
+                stacklevel=3,
+            )
+    if lonely:
+        if unpaired == "error":
+            raise ValueError(
+                f"convert(norm={norm!r}): BatchNorm layers {lonely} do not follow a conv / linear layer, "
+                "so there is no operation to move normalization in front of. Pass unpaired='sync' to make "
+                "them synchronized BatchNorm instead, or convert with norm='bn'."
+            )
+        warnings.warn(
+            f"convert(norm={norm!r}): BatchNorm layers {lonely} follow no conv / linear; they become "
+            "distnorm.SyncBatchNorm in place (unpaired='sync')",
+            stacklevel=3,
+        )
+        for name in lonely:
+            bn = modules[name]
+            _set(model, name, _new_norm("bn", bn, process_group, {}))
+            record.changes.append(_Change(name, bn, f"{type(bn).__name__} -> SyncBatchNorm (unpaired)"))
+    label = "CBN" if norm == "cbn" else "POPNorm"
+    for op_name, bn_name in pairs:
+        bn, op = modules[bn_name], modules[op_name]
+        _set(model, bn_name, _new_norm("none", bn, process_group, {}))
+        record.changes.append(_Change(bn_name, bn, f"{type(bn).__name__} -> removed (pre-op {label})"))
+        _set(model, op_name, PreNorm(_pre_norm(norm, op, process_group, layer_kwargs), op).train(op.training))
+        record.changes.append(_Change(op_name, op, f"{type(op).__name__} -> {label} + {type(op).__name__}"))
+
+
+def _swap_activations(model, current, original_modules, graph_module, activation, record) -> None:
+    gates = _gates(graph_module, original_modules)
+    new_cls = ACTIVATIONS[activation]
+    for name, module in current.items():
+        if not isinstance(module, ACTIVATION_MODULES) or name in gates or type(module) is new_cls:
+            continue
+        _set(model, name, _like(new_cls(), module))
+        record.changes.append(_Change(name, module, f"{type(module).__name__} -> {new_cls.__name__}"))
+    # The architecture chose in-place execution for its own activations: a later in-place
+    # op (ReLU(inplace=True), Dropout(inplace=True)) may overwrite a tensor the new
+    # activation needs for its backward (tanh and sigmoid keep their output). Run everything
+    # out of place; revert() restores the flags.
+    for name, module in model.named_modules():
+        if getattr(module, "inplace", False) is True:
+            module.inplace = False
+            record.inplace_disabled.append(name)
+    if graph_module is not None:
+        functional = [
+            n.name for n in graph_module.graph.nodes
+            if n.op in ("call_function", "call_method")
+            and getattr(n.target, "__name__", n.target) in ("relu", "relu_", "sigmoid", "tanh", "silu", "gelu", "selu", "elu")
+        ]
+        if functional:
+            warnings.warn(
+                f"convert(activation={activation!r}): activations called as functions ({functional}) "
+                "cannot be swapped by module surgery and were left unchanged",
+                stacklevel=3,
+            )
+
+
+def revert(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert`: put every original module object back (original classes,
+    and for ``"bn"`` the shared, trained parameters). Returns ``model``."""
+    record: _Record | None = getattr(model, "_distnorm_conversion", None)
+    if record is None:
+        raise ValueError("revert: this model was not converted by distnorm.convert")
+    refuse_wrapped(model, "distnorm.revert()")
+    for change in reversed(record.changes):
+        _set(model, change.path, change.original)
+    for path in record.inplace_disabled:
+        _get(model, path).inplace = True
+    del model._distnorm_conversion
+    return model
+
+
+def conversion_summary(model: nn.Module) -> dict[str, int]:
+    """What :func:`convert` replaced in ``model``: ``{"old -> new": count}`` (empty if nothing)."""
+    record: _Record | None = getattr(model, "_distnorm_conversion", None)
+    return record.summary() if record is not None else {}
