@@ -32,6 +32,9 @@ _CTX.set_forkserver_preload(["torch", "distnorm"])
 def _child(fn: Callable, rank: int, world_size: int, store_path: str, results: Any,
            args: tuple, kwargs: dict, timeout: float, backend: str) -> None:
     try:
+        # A rank started by torchrun is an ordinary process whose DataLoader workers fork;
+        # children of a fork server would otherwise inherit "forkserver" and re-import torch.
+        mp.set_start_method("fork", force=True)
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -62,7 +65,7 @@ def run_distributed(fn: Callable, world_size: int, tmp_path: Path, *args: Any,
     results = _CTX.Queue()
     procs = [
         _CTX.Process(target=_child, args=(fn, r, world_size, store_path, results, args, kwargs, timeout, backend),
-                     daemon=True)
+                     daemon=False)  # ranks may start DataLoader workers of their own
         for r in range(world_size)
     ]
     for p in procs:

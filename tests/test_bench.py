@@ -42,3 +42,11 @@ def test_bench_bnp_quick(tmp_path):
     assert result["models"]["resnet18"]["bnp_layers"] == 21
     assert result["models"]["resnet20"]["bnp_layers"] == 20
     assert "step_bnp_vs_plain_resnet20" in result["ratios"]
+
+
+@pytest.mark.timeout(600)
+def test_bench_data_quick(tmp_path):
+    result = _run("data.py", tmp_path)
+    assert set(result["ratios"]) == {"wds_vs_imagefolder_1worker", "wds_vs_imagefolder_2workers"}
+    assert all(v > 0 for v in result["ratios"].values())
+    assert result["images_per_pass"]["wds_1"] == result["images_per_pass"]["imagefolder_1"]

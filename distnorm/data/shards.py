@@ -1,0 +1,226 @@
+"""Write WebDataset shards: ``{prefix}-{000000..N}.tar`` plus ``{prefix}-index.json``.
+
+    python -m distnorm.data.shards SRC OUT_PREFIX [--maxcount N] [--maxsize BYTES] [--workers N]
+    distnorm-shards /data/imagenet/train /shards/imagenet-train --maxcount 1000 --workers 16
+    distnorm-shards digits /shards/digits-train --split train --maxcount 256
+    distnorm-shards synthetic /shards/synth --num-samples 10000 --num-classes 1000
+
+``SRC`` is an ImageFolder tree (``train/<wnid>/*.JPEG``), ``digits`` (the embedded demo
+data), ``synthetic`` (ImageNet-shaped generated images) or ``torchvision:<Dataset>:<root>``
+(a torchvision dataset already on disk, e.g. ``torchvision:CIFAR10:/data/cifar``). From
+Python, :func:`write_shards` takes any source of :mod:`distnorm.data.sources`, and
+:class:`~distnorm.data.sources.DatasetSource` wraps any torchvision dataset object.
+
+Each sample is ``__key__`` (no dots), ``jpg`` (the original bytes when the source is
+JPEG, never re-encoded) and ``cls`` (the integer label). The assignment of samples to shards
+is planned up front (``--maxcount`` samples and, optionally, ``--maxsize`` bytes per shard),
+so parallel workers and resumed runs produce the same shards. Every shard is written under
+a temporary name, read back with WebDataset and compared with the plan (keys, labels and
+payload bytes), fsynced, and only then renamed into place; a rerun skips shards that are
+complete and verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Sequence
+
+from distnorm.data.index import ShardIndex, ShardInfo, index_path
+from distnorm.data.sources import (
+    DatasetSource,
+    DigitsSource,
+    ImageFolderSource,
+    ShardSource,
+    SyntheticSource,
+)
+
+__all__ = ["plan_shards", "write_shards", "shard_name", "main"]
+
+TAR_BLOCK = 512
+FIXED_MTIME = 0.0  # reproducible tar headers
+
+
+def _wds():
+    try:
+        import webdataset
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("writing shards needs WebDataset: `pip install distnorm[data]`") from err
+    return webdataset
+
+
+def shard_name(prefix: str, index: int) -> str:
+    return f"{prefix}-{index:06d}.tar"
+
+
+def _tar_bytes(payload: int) -> int:
+    """Bytes a sample takes in the tar: two members (``.jpg``, ``.cls``), each a 512-byte
+    header plus contents padded to 512 bytes."""
+    padded = lambda n: -(-n // TAR_BLOCK) * TAR_BLOCK  # noqa: E731
+    return 2 * TAR_BLOCK + padded(payload) + padded(8)
+
+
+def plan_shards(source: ShardSource, maxcount: int, maxsize: int | None = None) -> list[range]:
+    """Consecutive sample ranges, one per shard, each within ``maxcount`` / ``maxsize``."""
+    if maxcount < 1:
+        raise ValueError(f"maxcount must be >= 1, got {maxcount}")
+    if maxsize is not None and maxsize < 1:
+        raise ValueError(f"maxsize must be >= 1 byte, got {maxsize}")
+    plan: list[range] = []
+    start, size = 0, 0
+    for i in range(len(source)):
+        sample = _tar_bytes(source.size_hint(i)) if maxsize else 0
+        count = i - start
+        if count and (count >= maxcount or (maxsize and size + sample > maxsize)):
+            plan.append(range(start, i))
+            start, size = i, 0
+        size += sample
+    if len(source) > start:
+        plan.append(range(start, len(source)))
+    return plan
+
+
+def _verify(path: str, source: ShardSource, indices: range) -> str | None:
+    """Read ``path`` back with WebDataset; return a reason if it differs from the plan."""
+    wds = _wds()
+    try:
+        samples = list(wds.DataPipeline(wds.SimpleShardList([path]), wds.tarfile_to_samples()))
+    except Exception as err:  # noqa: BLE001 - any read failure means "not a good shard"
+        return f"unreadable ({err})"
+    if len(samples) != len(indices):
+        return f"{len(samples)} samples instead of {len(indices)}"
+    for sample, i in zip(samples, indices):
+        if sample["__key__"] != source.key(i):
+            return f"key {sample['__key__']!r} where {source.key(i)!r} was planned"
+        if int(sample["cls"]) != source.label(i) or sample["jpg"] != source.jpeg(i):
+            return f"sample {sample['__key__']!r} differs from its source"
+    return None
+
+
+def _write_one(source: ShardSource, path: str, indices: range) -> tuple[str, int]:
+    """Write one shard under a temporary name, verify it, fsync, rename. Returns (path, bytes)."""
+    wds = _wds()
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as stream:
+            with wds.TarWriter(stream, mtime=FIXED_MTIME) as writer:
+                for i in indices:
+                    writer.write({"__key__": source.key(i), "jpg": source.jpeg(i), "cls": source.label(i)})
+            stream.flush()
+            os.fsync(stream.fileno())
+        problem = _verify(tmp, source, indices)
+        if problem:
+            raise RuntimeError(f"shard {path} failed verification after writing: {problem}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path, os.path.getsize(path)
+
+
+def write_shards(
+    source: ShardSource,
+    prefix: str,
+    *,
+    maxcount: int = 1000,
+    maxsize: int | None = None,
+    workers: int = 1,
+    progress: bool = True,
+) -> ShardIndex:
+    """Write ``source`` as WebDataset shards ``{prefix}-NNNNNN.tar`` and their index.
+
+    Resumable: shards that already exist and verify against the plan are skipped.
+
+    Returns:
+        The :class:`~distnorm.data.index.ShardIndex` written to ``{prefix}-index.json``.
+    """
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    plan = plan_shards(source, maxcount, maxsize)
+    paths = [shard_name(prefix, i) for i in range(len(plan))]
+    todo = [i for i, path in enumerate(paths) if not (os.path.exists(path) and _verify(path, source, plan[i]) is None)]
+    skipped = len(plan) - len(todo)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(plan), initial=skipped, unit="shard", desc=f"writing {Path(prefix).name}", disable=not progress)
+    if workers <= 1 or len(todo) <= 1:
+        for i in todo:
+            _write_one(source, paths[i], plan[i])
+            bar.update()
+    else:
+        # spawn: the workers need nothing from this process but the (picklable) source.
+        with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_write_one, source, paths[i], plan[i]) for i in todo]
+            for future in as_completed(futures):
+                future.result()
+                bar.update()
+    bar.close()
+    index = ShardIndex(
+        classes=list(source.classes),
+        shards=[ShardInfo(name=Path(p).name, count=len(r)) for p, r in zip(paths, plan)],
+    )
+    index.save(index_path(prefix))
+    return index
+
+
+def source_from_spec(spec: str, args: argparse.Namespace) -> ShardSource:
+    """Build a source from the CLI's ``SRC`` argument."""
+    if spec == "digits":
+        return DigitsSource(split=args.split)
+    if spec == "synthetic":
+        return SyntheticSource(args.num_samples, args.num_classes, args.image_size, seed=args.seed)
+    if spec.startswith("torchvision:"):
+        try:
+            _, name, root = spec.split(":", 2)
+        except ValueError:
+            raise ValueError(f"torchvision source must be torchvision:<Dataset>:<root>, got {spec!r}") from None
+        import torchvision
+
+        cls = getattr(torchvision.datasets, name, None)
+        if cls is None:
+            raise ValueError(f"torchvision.datasets has no {name!r}")
+        kwargs = {"train": args.split == "train"} if "train" in cls.__init__.__code__.co_varnames else {"split": args.split}
+        return DatasetSource(cls(root, download=False, **kwargs), name=f"{name.lower()}_{args.split}")
+    return ImageFolderSource(spec)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distnorm-shards",
+        description="Write WebDataset shards (and a JSON index) from an ImageFolder tree, a torchvision "
+        "dataset, the embedded digits demo, or synthetic ImageNet-shaped images.",
+    )
+    parser.add_argument("src", help="ImageFolder directory | digits | synthetic | torchvision:<Dataset>:<root>")
+    parser.add_argument("out_prefix", help="shards are written to OUT_PREFIX-NNNNNN.tar, index to OUT_PREFIX-index.json")
+    parser.add_argument("--maxcount", type=int, default=1000, help="samples per shard (default 1000)")
+    parser.add_argument("--maxsize", type=int, default=None, help="bytes per shard (approximate tar size)")
+    parser.add_argument("--workers", type=int, default=1, help="parallel writer processes")
+    parser.add_argument("--split", default="train", help="digits / torchvision split: train or val (default train)")
+    parser.add_argument("--num-samples", type=int, default=10_000, help="synthetic: number of images")
+    parser.add_argument("--num-classes", type=int, default=1000, help="synthetic: number of classes")
+    parser.add_argument("--image-size", type=int, default=224, help="synthetic: image side in pixels")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic: seed")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        source = source_from_spec(args.src, args)
+        index = write_shards(source, args.out_prefix, maxcount=args.maxcount, maxsize=args.maxsize,
+                             workers=args.workers, progress=not args.quiet)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"distnorm-shards: error: {err}", file=sys.stderr)
+        return 2
+    print(f"{index.total} samples, {len(index.classes)} classes, {len(index.shards)} shards -> "
+          f"{index_path(args.out_prefix)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

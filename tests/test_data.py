@@ -1,0 +1,246 @@
+"""The WebDataset pipeline: real tar files in tmp_path, real multi-process loaders."""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import webdataset as wds
+from PIL import Image
+from torch import nn
+
+from distnorm import data as D
+from tests.distributed import run_distributed
+
+
+def _read_shards(paths) -> list[dict]:
+    return list(wds.DataPipeline(wds.SimpleShardList([str(p) for p in paths]), wds.tarfile_to_samples()))
+
+
+def _image_tree(root: Path) -> dict[str, tuple[bytes, int]]:
+    """3 classes of real images: JPEGs (one with dots in its name) and a PNG."""
+    expected = {}
+    rng = np.random.default_rng(0)
+    for label, cls in enumerate(["n001", "n002", "n003"]):
+        (root / cls).mkdir(parents=True)
+        for i in range(4):
+            img = Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8))
+            name = f"img.{i}.v2.JPEG" if i == 1 else f"{cls}_{i}.JPEG"
+            path = root / cls / name
+            img.save(path, format="JPEG", quality=90)
+            expected[path.name] = (path.read_bytes(), label)
+        Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)).save(root / cls / "extra.png")
+        expected["extra.png" + cls] = (None, label)
+    return expected
+
+
+def test_imagefolder_round_trip_is_byte_identical(tmp_path):
+    expected = _image_tree(tmp_path / "train")
+    source = D.ImageFolderSource(str(tmp_path / "train"))
+    index = D.write_shards(source, str(tmp_path / "out" / "train"), maxcount=4, workers=2, progress=False)
+    assert index.total == 15 and [s.count for s in index.shards] == [4, 4, 4, 3]
+    assert index.classes == ["n001", "n002", "n003"]
+    assert D.ShardIndex.load(tmp_path / "out" / "train-index.json") == index
+    assert not list((tmp_path / "out").glob("*.tmp*"))
+    samples = _read_shards(sorted((tmp_path / "out").glob("train-*.tar")))
+    assert [s["__key__"] for s in samples] == [source.key(i) for i in range(15)]
+    assert all("." not in s["__key__"] for s in samples)
+    for i, s in enumerate(samples):
+        path = Path(source.files[i][0])
+        assert int(s["cls"]) == source.files[i][1]
+        if path.suffix == ".JPEG":
+            assert s["jpg"] == path.read_bytes()  # original bytes, never re-encoded
+        else:
+            assert D.sources.is_jpeg(s["jpg"])  # a PNG becomes a JPEG
+            assert Image.open(io.BytesIO(s["jpg"])).size == (10, 10)
+
+
+def test_writer_resumes_and_rewrites_only_bad_shards(tmp_path):
+    source = D.SyntheticSource(num_samples=20, num_classes=3, image_size=16)
+    prefix = str(tmp_path / "s")
+    D.write_shards(source, prefix, maxcount=5, progress=False)
+    shards = sorted(tmp_path.glob("s-*.tar"))
+    good_mtime = os.stat(shards[0]).st_mtime_ns
+    shards[1].unlink()
+    shards[2].write_bytes(shards[2].read_bytes()[:1000])  # truncated
+    os.utime(shards[3], ns=(1, 1))  # complete and verified shards are kept as they are
+    D.write_shards(source, prefix, maxcount=5, progress=False)
+    assert os.stat(shards[0]).st_mtime_ns == good_mtime and os.stat(shards[3]).st_mtime_ns == 1
+    samples = _read_shards(sorted(tmp_path.glob("s-*.tar")))
+    assert [s["__key__"] for s in samples] == [source.key(i) for i in range(20)]
+
+
+def test_maxsize_plans_smaller_shards():
+    source = D.SyntheticSource(num_samples=30, num_classes=3, image_size=32)
+    sizes = [source.size_hint(i) for i in range(30)]
+    plan = D.plan_shards(source, maxcount=1000, maxsize=4 * 4096)
+    assert len(plan) > 1 and sum(len(r) for r in plan) == 30
+    for r in plan[:-1]:
+        assert sum(D.shards._tar_bytes(sizes[i]) for i in r) <= 4 * 4096
+    with pytest.raises(ValueError, match="maxcount"):
+        D.plan_shards(source, maxcount=0)
+
+
+def test_digits_demo_and_synthetic_sources():
+    train, val = D.DigitsSource("train"), D.DigitsSource("val")
+    assert (len(train), len(val)) == (1437, 360)
+    assert {train.key(i) for i in range(len(train))}.isdisjoint(val.key(i) for i in range(len(val)))
+    img = Image.open(io.BytesIO(train.jpeg(0)))
+    assert img.size == (32, 32) and img.mode == "RGB"
+    synth = D.SyntheticSource(num_samples=10, num_classes=4, image_size=64, seed=3)
+    assert synth.jpeg(5) == synth.jpeg(5) and synth.label(5) == 1
+    assert Image.open(io.BytesIO(synth.jpeg(5))).size == (64, 64)
+
+
+def test_cli(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "distnorm.data.shards", "digits", str(tmp_path / "d" / "val"),
+                          "--split", "val", "--maxcount", "100", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "360 samples, 10 classes, 4 shards" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "distnorm.data.shards", str(tmp_path / "missing"), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "is not a directory" in bad.stderr
+
+
+# ------------------------------------------------------------------------ loaders
+@pytest.fixture(scope="module")
+def synth_shards(tmp_path_factory):
+    """100 samples in 7 shards of uneven size (15 x 6 + 10)."""
+    root = tmp_path_factory.mktemp("synth")
+    index = D.write_shards(D.SyntheticSource(num_samples=100, num_classes=5, image_size=16), str(root / "train"),
+                           maxcount=15, progress=False)
+    return str(root), index
+
+
+def _train_worker(rank, world, root, total, batch, workers, epochs):
+    loader = D.TrainLoader(f"{root}/train-{{000000..000006}}.tar", num_samples=total, batch_size=batch,
+                           rank=rank, world_size=world, num_workers=workers, transform="digits", image_size=16,
+                           shuffle_buffer=20, seed=7, return_keys=True)
+    out = []
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        batches = [(x.shape, keys) for x, _, keys in loader]
+        assert all(shape == (batch, 3, 16, 16) for shape, _ in batches)
+        out.append([k for _, keys in batches for k in keys])
+    return len(loader), out
+
+
+@pytest.mark.world_size(3)
+@pytest.mark.parametrize("world,workers", [(2, 0), (3, 2)])
+def test_train_loader_equal_batches_and_deterministic(tmp_path, synth_shards, world, workers):
+    root, index = synth_shards
+    batch = 8
+    runs = [run_distributed(_train_worker, world, tmp_path, root, index.total, batch, workers, [0, 1, 0])
+            for _ in range(2)]
+    want = math.ceil(100 / (batch * world))
+    for results in runs:
+        for n, epochs in results:
+            assert n == want and all(len(keys) == want * batch for keys in epochs)
+        for rank_a in range(world):
+            for rank_b in range(rank_a + 1, world):
+                assert results[rank_a][1][0] != results[rank_b][1][0]  # ranks read different data
+        for _, epochs in results:
+            assert epochs[0] == epochs[2] and epochs[0] != epochs[1]  # the stream depends on (seed, epoch)
+    assert runs[0] == runs[1]  # same seed, same stream, across fresh processes
+
+
+def _eval_worker(rank, world, root, workers, batch):
+    index = D.ShardIndex.load(f"{root}/train-index.json")
+    loader = D.EvalLoader(index.local_urls(root), index=index, batch_size=batch, rank=rank, world_size=world,
+                          num_workers=workers, transform="digits", image_size=16)
+    keys = [k for _, _, mask, ks in loader for k, m in zip(ks, mask.tolist()) if m]
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 5))
+    torch.manual_seed(0)
+    for p in model.parameters():
+        nn.init.normal_(p)
+    metrics = D.evaluate(model, loader)
+    return len(loader), keys, metrics
+
+
+@pytest.mark.world_size(3)
+@pytest.mark.parametrize("world,workers", [(2, 0), (3, 2)])
+def test_eval_loader_covers_every_key_exactly_once(tmp_path, synth_shards, world, workers):
+    root, index = synth_shards
+    results = run_distributed(_eval_worker, world, tmp_path, root, workers, 6)
+    lengths = {n for n, _, _ in results}
+    assert len(lengths) == 1  # the same number of batches on every rank
+    keys = [k for _, ks, _ in results for k in ks]
+    source = D.SyntheticSource(num_samples=100, num_classes=5, image_size=16)
+    assert sorted(keys) == sorted(source.key(i) for i in range(100))  # each exactly once
+    metrics = [m for _, _, m in results]
+    assert all(m == metrics[0] for m in metrics) and metrics[0]["count"] == 100
+
+
+# ----------------------------------------------------------------------- bad data
+def _write_raw_shard(path: Path, samples: list[dict]) -> None:
+    with wds.TarWriter(str(path)) as writer:
+        for s in samples:
+            writer.write(s)
+
+
+@pytest.fixture()
+def bad_shards(tmp_path):
+    good = D.SyntheticSource(num_samples=12, num_classes=3, image_size=16)
+    D.write_shards(good, str(tmp_path / "b"), maxcount=6, progress=False)
+    raw = [{"__key__": good.key(i), "jpg": good.jpeg(i), "cls": good.label(i)} for i in range(4)]
+    raw[1]["jpg"] = b"\xff\xd8\xffnot really a jpeg"
+    raw[2]["cls"] = "abc"
+    _write_raw_shard(tmp_path / "b-000002.tar", raw)
+    index = D.ShardIndex(classes=good.classes, shards=[D.ShardInfo("b-000000.tar", 6), D.ShardInfo("b-000001.tar", 6),
+                                                       D.ShardInfo("b-000002.tar", 4)])
+    return tmp_path, index, good
+
+
+def test_undecodable_image_and_bad_label(bad_shards):
+    root, index, good = bad_shards
+    urls = index.local_urls(root)
+    with pytest.raises(D.DataError, match=rf"b-000002.tar sample {good.key(1)}.*on_error='skip'"):
+        list(D.EvalLoader(urls, index=index, batch_size=4, num_workers=0, transform="digits", image_size=16))
+    loader = D.EvalLoader(urls, index=index, batch_size=4, num_workers=2, transform="digits", image_size=16,
+                          on_error="skip")
+    with pytest.warns(UserWarning, match="skipped 2"):
+        batches = list(loader)
+    assert len(batches) == len(loader) and loader.skipped == 2
+    assert sum(int(m.sum()) for _, _, m, _ in batches) == 14
+    assert D.evaluate(nn.Sequential(nn.Flatten(), nn.LazyLinear(3)), loader)["count"] == 14
+
+
+def test_truncated_shard(bad_shards):
+    root, index, good = bad_shards
+    shard = root / "b-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    urls = index.local_urls(root)[:2]
+    with pytest.raises(D.DataError, match="b-000001.tar"):
+        list(D.TrainLoader(urls, num_samples=12, batch_size=4, num_workers=0, transform="digits",
+                           image_size=16, shuffle_buffer=4))
+    loader = D.TrainLoader(urls, num_samples=12, batch_size=4, num_workers=2, transform="digits",
+                           image_size=16, shuffle_buffer=4, on_error="skip")
+    with pytest.warns(UserWarning, match="skipped"):
+        assert len(list(loader)) == len(loader) == 3
+    assert loader.skipped > 0
+    short = index.shards[:2]
+    eval_loader = D.EvalLoader(urls, index=D.ShardIndex(index.classes, short), batch_size=4, num_workers=0,
+                               transform="digits", image_size=16, on_error="skip")
+    with pytest.warns(UserWarning):
+        assert len(list(eval_loader)) == len(eval_loader) == 3  # a short shard is padded, not a hang
+
+
+def test_bad_arguments(synth_shards):
+    root, index = synth_shards
+    with pytest.raises(ValueError, match="rank"):
+        D.TrainLoader(f"{root}/train-000000.tar", num_samples=10, batch_size=2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="on_error"):
+        D.TrainLoader(f"{root}/train-000000.tar", num_samples=10, batch_size=2, on_error="ignore")
+    with pytest.raises(ValueError, match="preset"):
+        D.TrainLoader(f"{root}/train-000000.tar", num_samples=10, batch_size=2, transform="mnist")
+    with pytest.raises(ValueError, match="not listed"):
+        D.EvalLoader(f"{root}/other-000000.tar", index=index, batch_size=2)
+    with pytest.raises(FileNotFoundError, match="distnorm-shards"):
+        D.ShardIndex.load(f"{root}/missing-index.json")
