@@ -12,6 +12,7 @@ Quick start::
 
 from distnorm import bnp, functional
 from distnorm._debug import debug
+from distnorm.config import DistNormConfig, add_arguments
 from distnorm.consistency import check_consistency
 from distnorm.convert import PreNorm, conversion_summary, convert, revert
 from distnorm.errors import (
@@ -21,6 +22,7 @@ from distnorm.errors import (
     NonFiniteStatisticsError,
 )
 from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
+from distnorm.plugin import DistNormPlugin, ddp_kwargs
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,10 @@ __all__ = [
     "revert",
     "conversion_summary",
     "PreNorm",
+    "DistNormConfig",
+    "DistNormPlugin",
+    "add_arguments",
+    "ddp_kwargs",
     "debug",
     "functional",
     "bnp",

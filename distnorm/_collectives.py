@@ -28,6 +28,7 @@ __all__ = [
     "Moments",
     "accumulate_dtype",
     "all_reduce_sum",
+    "broadcast_from_first",
     "global_moments",
     "group_ranks",
     "group_size",
@@ -210,3 +211,15 @@ def _check_statistics(packed: torch.Tensor, layer: str, training: bool) -> None:
             "in eval() mode"
         )
 
+
+
+def broadcast_from_first(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
+    """Overwrite ``tensors`` in place with the copies of the group's first rank.
+
+    One broadcast per tensor (they are per-channel vectors: few and small).
+    """
+    if group is None:
+        return
+    src = group_ranks(group)[0]
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)

@@ -21,7 +21,7 @@ from distnorm import _collectives
 from distnorm._collectives import ProcessGroup
 from distnorm.errors import InconsistentStateError
 
-__all__ = ["check_consistency", "consistent_tensors", "InconsistentStateError"]
+__all__ = ["check_consistency", "consistent_tensors", "assert_same_across_ranks", "InconsistentStateError"]
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = 0x9E3779B1  # odd multiplier: a position-dependent weight for every element
@@ -84,6 +84,37 @@ def _all_agree(value: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return (probe[:k] == value) & (probe[k:] == torch.bitwise_not(value))
 
 
+def assert_same_across_ranks(
+    text: str,
+    what: str,
+    process_group: ProcessGroup | None = None,
+    *,
+    device: torch.device | None = None,
+    error: type[Exception] = InconsistentStateError,
+) -> None:
+    """Raise ``error`` on every rank unless every rank passes the same ``text``.
+
+    One fixed-size all-reduce of a hash (so differing inputs cannot become differently
+    sized collectives); only on a mismatch are the texts gathered to say who differs.
+    """
+    group = _collectives.sync_group(process_group)
+    if group is None:
+        return
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    value = torch.tensor([_collectives.stable_hash(text)], dtype=torch.int64, device=device)
+    if bool(_all_agree(value, group).all()):
+        return
+    ranks = _collectives.group_ranks(group)
+    texts: list[str | None] = [None] * len(ranks)
+    dist.all_gather_object(texts, text, group=group)
+    groups: dict[str, list[int]] = {}
+    for rank, t in zip(ranks, texts):
+        groups.setdefault(t or "", []).append(rank)
+    listing = "\n".join(f"  ranks {members}: {t[:500]}" for t, members in groups.items())
+    raise error(f"{what} differs across ranks:\n{listing}")
+
+
 def check_consistency(
     model: nn.Module,
     process_group: ProcessGroup | None = None,
@@ -124,15 +155,13 @@ def check_consistency(
     ranks = _collectives.group_ranks(group)
 
     layout = "\n".join(f"{n}:{t.dtype}:{tuple(t.shape)}" for n, t in named)
-    structure = torch.tensor([_collectives.stable_hash(layout)], dtype=torch.int64, device=device)
-    if not bool(_all_agree(structure, group).all()):
-        layouts: list[str | None] = [None] * len(ranks)
-        dist.all_gather_object(layouts, layout, group=group)
-        counts = ", ".join(f"rank {r}: {len((s or '').splitlines())} tensors" for r, s in zip(ranks, layouts))
-        raise InconsistentStateError(
-            "ranks hold differently structured models (buffer names, dtypes or shapes differ: "
-            f"{counts}); every rank must build the same model with the same distnorm config"
-        )
+    assert_same_across_ranks(
+        layout,
+        "the model structure (distnorm buffer names, dtypes, shapes; every rank must build the same "
+        "model with the same distnorm config)",
+        group,
+        device=device,
+    )
     if not named:
         return 0
 

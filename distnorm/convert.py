@@ -67,10 +67,17 @@ _MUL_TARGETS = {operator.mul, torch.mul, operator.imul}
 class PreNorm(nn.Module):
     """``op(norm(x))``: a pre-operation normalization in front of a conv / linear layer.
 
-    Attribute lookups that ``PreNorm`` does not answer itself (``weight``,
-    ``in_channels``, ``out_features``, ...) are forwarded to ``op``, so code written for the
-    original layer keeps working.
+    The layer's descriptive attributes (``weight``, ``bias``, ``in_channels``,
+    ``out_features``, ``kernel_size``, ...) are forwarded to ``op``, so code written for the
+    original layer keeps working. Only that fixed list is forwarded: engines that tag
+    modules with attributes of their own (DeepSpeed, FSDP) must never see ``op``'s tags
+    through the wrapper.
     """
+
+    FORWARDED = frozenset({
+        "weight", "bias", "in_channels", "out_channels", "in_features", "out_features", "kernel_size",
+        "stride", "padding", "dilation", "groups", "padding_mode", "transposed", "output_padding",
+    })
 
     def __init__(self, norm: nn.Module, op: nn.Module):
         super().__init__()
@@ -81,13 +88,11 @@ class PreNorm(nn.Module):
         return self.op(self.norm(x))
 
     def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
+        if name in PreNorm.FORWARDED:
             modules = self.__dict__.get("_modules", {})
             if "op" in modules:
                 return getattr(modules["op"], name)
-            raise
+        return super().__getattr__(name)
 
 
 @dataclass

@@ -233,8 +233,8 @@ def _ddp_worker(rank, world, steps=3):
     model = _small_cnn()
     distnorm.bnp.attach(model)
     with pytest.raises(TypeError, match="already wrapped by torch DistributedDataParallel"):
-        distnorm.bnp.attach(DDP(_small_cnn(), broadcast_buffers=False))
-    ddp = DDP(model, broadcast_buffers=False)
+        distnorm.bnp.attach(DDP(_small_cnn(), **distnorm.ddp_kwargs()))
+    ddp = DDP(model, **distnorm.ddp_kwargs())
 
     opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)

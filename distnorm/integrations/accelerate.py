@@ -1,0 +1,77 @@
+"""distnorm in a Hugging Face Accelerate script — the whole change::
+
+    import distnorm.integrations.accelerate as dn                # + import
+    dn.add_arguments(parser)                                      # + 1: the --distnorm flags
+    ...
+    accelerator = Accelerator()
+    model = build_model()
+    plugin = dn.prepare(model, args, accelerator)                 # + 2: before the optimizer
+    optimizer, loader, scheduler = build_rest(model)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    plugin.follow(optimizer)                                      # + 3
+
+``prepare`` converts the bare model (and attaches BNP) per ``cfg``, makes Accelerate build
+DDP with ``broadcast_buffers=False`` (distnorm's buffers are identical on every rank by
+construction, so DDP's per-step buffer broadcast is pure cost), and registers the plugin with
+``accelerator.register_for_checkpointing`` so ``save_state`` / ``load_state`` carry its state
+(the model's buffers travel with the model). ``follow(optimizer)`` makes AMAT read the
+learning rate the optimizer applies at each step.
+
+On CPU, Accelerate selects MULTI_CPU only with ``Accelerator(cpu=True)`` (or ``--cpu``);
+without it every ``torchrun`` rank silently trains alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from torch import nn
+
+import argparse
+
+from distnorm.config import DistNormConfig, add_arguments
+from distnorm.plugin import DistNormPlugin
+
+__all__ = ["prepare", "add_arguments"]
+
+logger = logging.getLogger(__name__)
+
+
+def _accelerate():
+    try:
+        import accelerate
+    except ImportError as err:
+        raise ImportError("distnorm's Accelerate integration needs `pip install distnorm[accelerate]`") from err
+    return accelerate
+
+
+def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None, accelerator: Any) -> DistNormPlugin:
+    """Convert ``model`` for ``accelerator`` and return the plugin.
+
+    Call it on the bare model, before building the optimizer (conversion adds parameters)
+    and before ``accelerator.prepare``. ``config`` may be the namespace of a parser that
+    went through :func:`add_arguments`.
+    """
+    accelerate = _accelerate()
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise TypeError(f"prepare(): expected an accelerate.Accelerator, got {type(accelerator).__name__}")
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"the launcher started {launched} processes but Accelerate runs this one alone "
+            f"(distributed type {accelerator.distributed_type}); on CPU pass Accelerator(cpu=True) / --cpu, "
+            "otherwise every rank would train its own model with unsynchronized statistics"
+        )
+    if isinstance(config, argparse.Namespace):
+        config = DistNormConfig.from_args(config)
+    plugin = DistNormPlugin(model, config)
+    handler = accelerator.ddp_handler
+    if handler is None:
+        accelerator.ddp_handler = accelerate.utils.DistributedDataParallelKwargs(broadcast_buffers=False)
+    elif handler.broadcast_buffers:
+        logger.info("distnorm: turning off DDP broadcast_buffers (buffers are rank-consistent by construction)")
+        handler.broadcast_buffers = False
+    accelerator.register_for_checkpointing(plugin)
+    return plugin

@@ -1,0 +1,241 @@
+"""The plugin: distnorm in an existing training script, whatever engine runs it.
+
+:class:`DistNormPlugin` owns everything distnorm adds to a run:
+
+1. at construction, on the bare model: :func:`distnorm.convert` (norm, activation) and
+   optionally :func:`distnorm.bnp.attach`, with the synchronization group of the config;
+2. :meth:`follow` — where AMAT reads the learning rate the optimizer applies at each step
+   (a torch / Accelerate optimizer's ``param_groups``, a DeepSpeed engine's ``get_lr()``, or
+   any callable); it also broadcasts distnorm's buffers from the group's first rank and
+   verifies them (engines such as DeepSpeed do not broadcast buffers at initialisation);
+3. a forward pre-hook on the model that, before every training forward, hands AMAT the
+   learning rate, re-synchronizes buffers after a checkpoint load, and every
+   ``check_every`` training forwards runs :func:`distnorm.check_consistency`, which raises
+   :class:`~distnorm.InconsistentStateError` naming the divergent buffer instead of letting
+   a run drift;
+4. ``state_dict()`` / ``load_state_dict()`` for the engines' checkpointing.
+
+The engine-specific few lines live in :mod:`distnorm.integrations.accelerate` and
+:mod:`distnorm.integrations.deepspeed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distnorm import _collectives, bnp
+from distnorm.config import OFF, DistNormConfig
+from distnorm.consistency import assert_same_across_ranks, check_consistency, consistent_tensors
+from distnorm.convert import convert
+from distnorm.layers import _CompleteNorm
+
+__all__ = ["DistNormPlugin", "ddp_kwargs"]
+
+logger = logging.getLogger(__name__)
+
+
+def ddp_kwargs() -> dict[str, bool]:
+    """``DistributedDataParallel`` keyword arguments that skip the per-forward buffer
+    broadcast (distnorm's buffers are identical on every rank by construction):
+    ``forward_sync_buffers=False`` where this torch has it, else ``broadcast_buffers=False``.
+
+    Example:
+        >>> import distnorm
+        >>> sorted(distnorm.ddp_kwargs())  # doctest: +SKIP
+        ['forward_sync_buffers']
+    """
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def _subgroup(size: int) -> Any:
+    """This rank's group of ``size`` consecutive ranks (created collectively on every rank)."""
+    if not _collectives.is_distributed():
+        raise RuntimeError(
+            "distnorm: group_size needs torch.distributed to be initialised before the plugin is "
+            "created (Accelerator(), deepspeed.init_distributed() or init_process_group())"
+        )
+    world = dist.get_world_size()
+    if world % size:
+        raise ValueError(f"distnorm: group_size={size} does not divide the world size {world}")
+    group, _ = dist.new_subgroups(group_size=size)
+    return group
+
+
+class DistNormPlugin:
+    """distnorm's layers, BNP, AMAT learning rate and consistency checks for one model.
+
+    Args:
+        model: the bare model, before any engine wraps it. It is converted in place.
+        config: what to do (default: :class:`DistNormConfig()`, which changes nothing).
+
+    Example:
+        >>> import torch, distnorm
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+        >>> plugin = distnorm.DistNormPlugin(net, distnorm.DistNormConfig(norm="cbn"))
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        >>> plugin.follow(opt)                      # AMAT now reads opt's learning rate
+        DistNormPlugin(norm='cbn', bnp=False, amat_layers=1)
+    """
+
+    def __init__(self, model: nn.Module, config: DistNormConfig | None = None):
+        self.config = config if config is not None else DistNormConfig()
+        self.model = model
+        self.group = _subgroup(self.config.group_size) if self.config.group_size else None
+        self._config_checked = False
+        self._verify_config()
+        cfg = self.config
+        convert(
+            model,
+            norm=None if cfg.norm == OFF else cfg.norm,
+            activation=cfg.activation,
+            process_group=self.group,
+            **cfg.layer_kwargs(),
+        )
+        self.bnp_handle = None
+        if cfg.bnp:
+            self.bnp_handle = bnp.attach(
+                model, momentum=cfg.bnp_momentum, eps1=cfg.bnp_eps1, eps2=cfg.bnp_eps2,
+                add_bias=cfg.bnp_add_bias, exclude=cfg.bnp_exclude, process_group=self.group,
+            )
+        self.amat_layers = [m for m in model.modules() if isinstance(m, _CompleteNorm) and m.amat]
+        self._lr_of_layer: Callable[[], list[float]] | None = None
+        self.training_forwards = 0
+        self._resync = False
+        self._hook = model.register_forward_pre_hook(self._before_forward)
+
+    def __repr__(self) -> str:
+        return f"DistNormPlugin(norm={self.config.norm!r}, bnp={self.config.bnp}, amat_layers={len(self.amat_layers)})"
+
+    # ------------------------------------------------------------------ setup
+    def _verify_config(self) -> None:
+        """Every rank must run the same configuration (checked once the group exists)."""
+        if self._config_checked or not _collectives.is_distributed():
+            return
+        assert_same_across_ranks(self.config.fingerprint(), "the distnorm configuration", self.group, error=ValueError)
+        self._config_checked = True
+
+    def follow(self, source: Any) -> "DistNormPlugin":
+        """Read AMAT's learning rate from ``source`` before every training forward.
+
+        ``source`` is a torch optimizer (or Accelerate's wrapper: anything with
+        ``param_groups``) — each AMAT layer follows the group holding its weight, or group 0
+        — a DeepSpeed engine (``get_lr()[0]``: ZeRO flattens the groups), or a callable
+        returning the learning rate. Also broadcasts and verifies distnorm's buffers.
+        """
+        if hasattr(source, "get_lr") and hasattr(source, "save_checkpoint"):  # a DeepSpeed engine
+            self._lr_of_layer = lambda: [source.get_lr()[0]] * len(self.amat_layers)
+            self._wrap_deepspeed_checkpointing(source)
+        elif hasattr(source, "param_groups"):
+            groups = source.param_groups
+            where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+            missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in where]
+            if missing:
+                raise ValueError(
+                    f"DistNormPlugin.follow(): the optimizer does not hold {len(missing)} trainable parameter(s) "
+                    f"of the model (e.g. {missing[:3]}): it was built before distnorm converted the model. "
+                    "Create the plugin first, then the optimizer."
+                )
+            index = [where.get(id(m.weight), 0) for m in self.amat_layers]
+            self._lr_of_layer = lambda: [source.param_groups[i]["lr"] for i in index]
+        elif callable(source):
+            self._lr_of_layer = lambda: [float(source())] * len(self.amat_layers)
+        else:
+            raise TypeError(
+                f"DistNormPlugin.follow(): expected an optimizer, a DeepSpeed engine or a callable returning "
+                f"the learning rate, got {type(source).__name__}"
+            )
+        self._verify_config()
+        self.sync_buffers()
+        return self
+
+    def sync_buffers(self) -> int:
+        """Broadcast distnorm's buffers from the group's first rank, then verify them.
+
+        Collective. Returns the number of buffers. A no-op when not distributed.
+        """
+        group = _collectives.sync_group(self.group)
+        tensors = [t for _, t in consistent_tensors(self.model)]
+        if group is None:
+            return len(tensors)
+        with torch.no_grad():
+            _collectives.broadcast_from_first(tensors, group)
+        return check_consistency(self.model, self.group)
+
+    # ------------------------------------------------------------- per step
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        if self._resync:  # first training forward after a checkpoint load: a safe point
+            self._resync = False
+            self.sync_buffers()
+        if self._lr_of_layer is not None:
+            for layer, lr in zip(self.amat_layers, self._lr_of_layer()):
+                layer.set_lr(lr)
+        elif self.amat_layers and self.training_forwards == 0:
+            warnings.warn(
+                "distnorm: AMAT layers have no learning-rate source; call plugin.follow(optimizer) "
+                "(or the DeepSpeed engine) once after the engine has prepared the optimizer",
+                stacklevel=3,
+            )
+        self.training_forwards += 1
+        every = self.config.check_every
+        if every and self.training_forwards % every == 0:
+            check_consistency(self.model, self.group)
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Plugin state (the model's buffers travel in the model's own state dict)."""
+        return {"config": self.config.to_dict(), "training_forwards": self.training_forwards}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = DistNormConfig.from_dict(state["config"], where="checkpoint")
+        if saved.fingerprint() != self.config.fingerprint():
+            raise ValueError(
+                "distnorm: the checkpoint was written with a different distnorm configuration:\n"
+                f"  checkpoint: {saved.fingerprint()}\n  this run:   {self.config.fingerprint()}"
+            )
+        self.training_forwards = int(state["training_forwards"])
+        self._resync = True  # broadcast + verify at the next training forward
+
+    def _wrap_deepspeed_checkpointing(self, engine: Any) -> None:
+        """Carry the plugin state in DeepSpeed's ``client_state`` and re-synchronize the
+        buffers after every load (ZeRO-3 checkpoints keep one copy per rank)."""
+        if getattr(engine, "_distnorm_wrapped", False):
+            return
+        save, load = engine.save_checkpoint, engine.load_checkpoint
+        plugin = self
+
+        def save_checkpoint(save_dir, tag=None, client_state=None, *args, **kwargs):
+            client_state = dict(client_state or {})
+            client_state["distnorm"] = plugin.state_dict()
+            return save(save_dir, tag, client_state, *args, **kwargs)
+
+        def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+            path, client_state = load(load_dir, tag, *args, **kwargs)
+            if client_state and "distnorm" in client_state:
+                plugin.load_state_dict(client_state.pop("distnorm"))
+            if path is not None:
+                plugin._resync = False
+                plugin.sync_buffers()  # every rank loads together: synchronize right here
+            return path, client_state
+
+        engine.save_checkpoint = save_checkpoint
+        engine.load_checkpoint = load_checkpoint
+        engine._distnorm_wrapped = True
+
+    def remove(self) -> None:
+        """Stop following the optimizer and checking (the converted layers stay)."""
+        self._hook.remove()
+        self._lr_of_layer = None

@@ -1,0 +1,201 @@
+"""The plugin under real Accelerate (MULTI_CPU) and DeepSpeed (CPU accelerator, ZeRO 0-3),
+launched with torchrun: 2 ranks on split batches must match 1 rank on the whole batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import distnorm
+
+pytest.importorskip("accelerate")
+pytest.importorskip("deepspeed")
+
+SCRIPT = Path(__file__).parent / "engines" / "small_train.py"
+REPO = Path(__file__).resolve().parents[1]
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _build_deepspeed_cpu_ops():
+    """DeepSpeed's CPU accelerator JIT-compiles a C++ op on first use; build it once here,
+    in one process, instead of in two racing ranks of the first launched test."""
+    code = ("from deepspeed.accelerator import get_accelerator; "
+            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                   check=True, capture_output=True, timeout=600)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, out: Path, *args: str, expect: int = 0, timeout: int = 300) -> list[dict]:
+    """Run tests/engines/small_train.py under torchrun; return each rank's record."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "ACCELERATE_USE_CPU": "true"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           str(SCRIPT), "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != expect and expect == 0:
+        raise AssertionError(f"torchrun exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    if expect != 0:
+        assert proc.returncode != 0, "the run was expected to fail"
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+def _assert_same_training(split: list[dict], single: dict) -> None:
+    for rank_result in split:
+        assert rank_result["world"] == len(split)
+        torch.testing.assert_close(torch.tensor(rank_result["lrs"]), torch.tensor(single["lrs"]))
+        for name, value in single["params"].items():
+            torch.testing.assert_close(rank_result["params"][name], value, **TOL, msg=name)
+        for name, value in single["buffers"].items():
+            torch.testing.assert_close(rank_result["buffers"][name], value, **TOL, msg=name)
+    # the loss of the global batch is the mean of the per-rank losses (equal splits)
+    mean_loss = torch.tensor([r["losses"] for r in split]).mean(0)
+    torch.testing.assert_close(mean_loss, torch.tensor(single["losses"]), **TOL)
+    # buffers are bit-identical across ranks without any broadcast
+    for name, value in split[0]["buffers"].items():
+        assert torch.equal(value, split[1]["buffers"][name]), name
+
+
+def _assert_eta_follows_lr(result: dict, omega: float = 10.0) -> None:
+    assert len(set(result["lrs"])) > 2  # the schedule really moves (warm-up, then decay)
+    for lr, etas in zip(result["lrs"], result["etas"]):
+        for eta in etas:
+            assert eta == pytest.approx(max(1 - omega * lr, 0.0), abs=1e-12)
+
+
+CONFIGS = [
+    pytest.param(["--engine", "accelerate"], id="accelerate"),
+    pytest.param(["--engine", "accelerate", "--distnorm-bnp"], id="accelerate-bnp"),
+    *[pytest.param(["--engine", "deepspeed", "--zero", str(z)], id=f"deepspeed-zero{z}") for z in range(4)],
+    pytest.param(["--engine", "deepspeed", "--zero", "2", "--distnorm-bnp"], id="deepspeed-zero2-bnp"),
+    pytest.param(["--engine", "deepspeed", "--zero", "3", "--distnorm-bnp"], id="deepspeed-zero3-bnp"),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("engine_args", CONFIGS)
+def test_two_ranks_match_one_process(tmp_path, engine_args):
+    args = [*engine_args, "--distnorm", "cbn", "--distnorm-rho", "2", "--steps", "6", "--distnorm-check-every", "2"]
+    split = launch(2, tmp_path / "split", *args)
+    (single,) = launch(1, tmp_path / "single", *args)
+    _assert_same_training(split, single)
+    _assert_eta_follows_lr(split[0])
+    if "--distnorm-bnp" in engine_args:
+        assert any(k.endswith("bnp_var") for k in split[0]["buffers"])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine_args", [CONFIGS[0], CONFIGS[3], CONFIGS[5]])
+def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine_args):
+    args = [*engine_args, "--distnorm", "cbn", "--distnorm-bnp", "--steps", "6", "--ckpt", str(tmp_path / "ckpt")]
+    full = launch(2, tmp_path / "full", *args)
+    launch(2, tmp_path / "first", *args, "--save-at", "3")
+    resumed = launch(2, tmp_path / "resumed", *args, "--save-at", "3", "--resume")
+    for a, b in zip(full, resumed):
+        assert b["first_step"] == 3
+        torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"][3:]), **TOL)
+        torch.testing.assert_close(torch.tensor(b["lrs"]), torch.tensor(a["lrs"][3:]))
+        assert b["next_lr"] == pytest.approx(a["next_lr"])
+        for kind in ("params", "buffers"):
+            for name, value in a[kind].items():
+                torch.testing.assert_close(b[kind][name], value, **TOL, msg=name)
+        if "optimizer" in a:  # Accelerate: the torch optimizer state (momentum buffers)
+            for key, state in a["optimizer"]["state"].items():
+                torch.testing.assert_close(b["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"], **TOL)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine_args", [CONFIGS[0], CONFIGS[5]])
+def test_periodic_check_catches_a_perturbed_buffer(tmp_path, engine_args):
+    results = launch(2, tmp_path / "bad", *engine_args, "--distnorm", "cbn", "--steps", "6",
+                     "--distnorm-check-every", "1", "--perturb-step", "2", expect=3)
+    for r in results:  # both ranks stop, naming the buffer and the ranks
+        assert "0.norm.amat_mean" in r["error"] and "[0] | [1]" in r["error"], r["error"]
+
+
+# ----------------------------------------------------------------- configuration
+def test_config_sources_agree(tmp_path):
+    import argparse
+
+    parser = distnorm.add_arguments(argparse.ArgumentParser())
+    from_args = distnorm.DistNormConfig.from_args(parser.parse_args(
+        ["--distnorm", "popnorm", "--distnorm-kappa", "3", "--distnorm-bnp", "--distnorm-bnp-exclude", "fc,head"]))
+    from_env = distnorm.DistNormConfig.from_env({"DISTNORM_NORM": "popnorm", "DISTNORM_KAPPA": "3",
+                                                 "DISTNORM_BNP": "true", "DISTNORM_BNP_EXCLUDE": "fc,head",
+                                                 "DISTNORM_DEBUG": "1", "PATH": "/bin"})
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("model: resnet18\ndistnorm:\n  norm: popnorm\n  kappa: 3\n  bnp: true\n  bnp_exclude: [fc, head]\n")
+    from_yaml = distnorm.DistNormConfig.from_yaml(yaml_file)
+    assert from_args == from_env == from_yaml
+    assert from_args.layer_kwargs() == {"kappa": 3.0}
+
+
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: distnorm.DistNormConfig(norm="batchnorm"), "norm must be one of"),
+        (lambda: distnorm.DistNormConfig(rho=0), "rho"),
+        (lambda: distnorm.DistNormConfig.from_env({"DISTNORM_RHOO": "2"}), "unknown environment variable DISTNORM_RHOO"),
+        (lambda: distnorm.DistNormConfig.from_env({"DISTNORM_BNP": "maybe"}), "DISTNORM_BNP='maybe'"),
+        (lambda: distnorm.DistNormConfig.from_yaml({"distnorm": {"nrom": "cbn"}}), r"unknown key\(s\) \['nrom'\]"),
+    ],
+)
+def test_bad_config(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_cli_rejects_unknown_norm():
+    import argparse
+
+    parser = distnorm.add_arguments(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--distnorm", "layernorm"])
+
+
+def test_follow_rejects_optimizer_built_before_conversion():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    plugin = distnorm.DistNormPlugin(model, distnorm.DistNormConfig(norm="cbn"))
+    with pytest.raises(ValueError, match="built before"):
+        plugin.follow(early)
+    with pytest.raises(TypeError, match="optimizer"):
+        plugin.follow("0.1")
+
+
+def test_missing_optional_dependency_message(monkeypatch):
+    # A None entry in sys.modules is Python's own way of making an import fail.
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    from distnorm.integrations import deepspeed as dn_deepspeed
+
+    with pytest.raises(ImportError, match=r"pip install distnorm\[deepspeed\]"):
+        dn_deepspeed.prepare(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script,extra", [
+    ("accelerate_train.py", ["--cpu", "--batch-size", "8"]),
+    ("deepspeed_train.py", ["--deepspeed_config", "configs/deepspeed/example_cpu_zero2.json"]),
+])
+def test_examples_run_under_torchrun(tmp_path, script, extra):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(REPO / "examples" / script), *extra, "--distnorm", "cbn",
+           "--distnorm-bnp", "--max-steps", "4", "--output-dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "done: 4 steps" in proc.stdout
