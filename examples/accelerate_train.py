@@ -56,6 +56,8 @@ def main() -> None:
     accelerator.save_state(args.output_dir)
     if accelerator.is_main_process:
         print(f"done: {step} steps, state saved to {args.output_dir}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

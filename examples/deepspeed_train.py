@@ -54,6 +54,8 @@ def main() -> None:
     engine.save_checkpoint(args.output_dir)
     if engine.global_rank == 0:
         print(f"done: {step} steps, checkpoint saved to {args.output_dir}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

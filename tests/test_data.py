@@ -164,6 +164,25 @@ def _eval_worker(rank, world, root, workers, batch):
     return len(loader), keys, metrics
 
 
+@pytest.mark.parametrize("workers", [0, 2, 3])
+def test_train_loader_resumes_mid_epoch_exactly(synth_shards, workers):
+    root, index = synth_shards
+    loader = D.TrainLoader(f"{root}/train-{{000000..000006}}.tar", num_samples=index.total, batch_size=4,
+                           num_workers=workers, transform="digits", image_size=16, shuffle_buffer=20, seed=3,
+                           return_keys=True)
+    loader.set_epoch(2)
+    full = list(loader)
+    for skip in (1, 5, len(loader) - 1):
+        loader.set_epoch(2, skip_batches=skip)
+        resumed = list(loader)
+        assert len(resumed) == len(full) - skip
+        for (xa, ya, ka), (xb, yb, kb) in zip(full[skip:], resumed):
+            assert ka == kb and torch.equal(ya, yb)
+            assert torch.equal(xa, xb)  # augmentations too: seeded per sample
+    with pytest.raises(ValueError, match="skip_batches"):
+        loader.set_epoch(0, skip_batches=len(loader) + 1)
+
+
 @pytest.mark.world_size(3)
 @pytest.mark.parametrize("world,workers", [(2, 0), (3, 2)])
 def test_eval_loader_covers_every_key_exactly_once(tmp_path, synth_shards, world, workers):

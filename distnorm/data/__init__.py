@@ -5,29 +5,33 @@
 * :mod:`distnorm.data.loaders` — :class:`TrainLoader` (equal-length epochs on every rank)
   and :class:`EvalLoader` (every validation sample exactly once);
 * :func:`evaluate` — top-1 / top-5 / loss reduced across ranks.
+
+Names are imported lazily (so ``python -m distnorm.data.shards`` and ``import
+distnorm.data`` stay light).
 """
 
-from distnorm.data.evaluation import evaluate
-from distnorm.data.index import ShardIndex, ShardInfo, index_path
-from distnorm.data.loaders import TRANSFORM_PRESETS, DataError, EvalLoader, TrainLoader, build_transform, expand_urls
-from distnorm.data.shards import plan_shards, write_shards
-from distnorm.data.sources import DatasetSource, DigitsSource, ImageFolderSource, SyntheticSource
+from __future__ import annotations
 
-__all__ = [
-    "evaluate",
-    "ShardIndex",
-    "ShardInfo",
-    "index_path",
-    "TrainLoader",
-    "EvalLoader",
-    "DataError",
-    "build_transform",
-    "expand_urls",
-    "TRANSFORM_PRESETS",
-    "write_shards",
-    "plan_shards",
-    "DatasetSource",
-    "DigitsSource",
-    "ImageFolderSource",
-    "SyntheticSource",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "evaluate": "evaluation",
+    "ShardIndex": "index", "ShardInfo": "index", "index_path": "index",
+    "TrainLoader": "loaders", "EvalLoader": "loaders", "DataError": "loaders",
+    "build_transform": "loaders", "expand_urls": "loaders", "TRANSFORM_PRESETS": "loaders",
+    "write_shards": "shards", "plan_shards": "shards",
+    "DatasetSource": "sources", "DigitsSource": "sources", "ImageFolderSource": "sources",
+    "SyntheticSource": "sources",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"distnorm.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'distnorm.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

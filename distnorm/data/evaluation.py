@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -21,11 +21,13 @@ def evaluate(
     device: torch.device | str = "cpu",
     process_group: ProcessGroup | None = None,
     non_blocking: bool = True,
+    cast: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Evaluate ``model`` on ``(images, labels, mask, keys)`` batches (an
     :class:`~distnorm.data.EvalLoader`) and reduce the metrics over every rank.
 
-    Masked (padding) samples run through the model, so every rank performs the same number
+    ``cast`` converts the images after they reach ``device`` (e.g. to bf16 for an engine
+    running in bf16). Masked (padding) samples run through the model, so every rank performs the same number
     of forwards, but count nowhere. One all-reduce of four float64 sums at the end.
 
     Returns:
@@ -39,6 +41,8 @@ def evaluate(
     try:
         for images, labels, mask, _keys in batches:
             images = images.to(device, non_blocking=non_blocking)
+            if cast is not None:
+                images = cast(images)
             labels = labels.to(device, non_blocking=non_blocking)
             mask = mask.to(device, non_blocking=non_blocking)
             logits = model(images).float()

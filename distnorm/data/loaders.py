@@ -182,20 +182,31 @@ def _share(total: int, worker: int, workers: int) -> int:
     return total // workers + (1 if worker < total % workers else 0)
 
 
+def _role_counts(total: int, skip: int, role: int, workers: int) -> tuple[int, int]:
+    """Batches ``b`` with ``b % workers == role``: how many lie before ``skip``, how many after."""
+    before = len(range(role, min(skip, total), workers))
+    return before, len(range(role, total, workers)) - before
+
+
 class _TrainStream(IterableDataset):
     def __init__(self, urls: list[str], *, batch_size: int, num_batches: int, rank: int, world_size: int,
-                 seed: int, epoch: int, shuffle_buffer: int, transform: Callable, on_error: str):
+                 seed: int, epoch: int, shuffle_buffer: int, transform: Callable, on_error: str, skip: int = 0):
         self.urls, self.batch_size, self.num_batches = urls, batch_size, num_batches
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
-        self.shuffle_buffer, self.transform, self.on_error = shuffle_buffer, transform, on_error
+        self.shuffle_buffer, self.transform, self.on_error, self.skip = shuffle_buffer, transform, on_error, skip
 
     def __iter__(self) -> Iterator[tuple]:
         wds = _wds()
         worker, workers = _worker()
+        # The DataLoader takes batch b from worker b % workers. When resuming after `skip`
+        # batches, worker w plays the role of the worker that produced batch skip + w, so
+        # the remaining batches come out in exactly the uninterrupted order.
+        role = (worker + self.skip) % workers
+        skipped, remaining = _role_counts(self.num_batches, self.skip, role, workers)
+        if remaining == 0:
+            return
         stream_seed = _seed(self.seed, self.epoch)
-        local_seed = _seed(self.seed, self.epoch, self.rank, worker)
-        torch.manual_seed(local_seed)  # the augmentations draw from torch's RNG
-        random.seed(local_seed)
+        role_seed = _seed(self.seed, self.epoch, self.rank, role)
         log = _ErrorLog(self.on_error)
         rank, world = self.rank, self.world_size
 
@@ -206,14 +217,22 @@ class _TrainStream(IterableDataset):
 
         def split_by_worker(src):
             for i, item in enumerate(src):
-                if i % workers == worker:
+                if i % workers == role:
                     yield item
 
         def decode(src):
-            for sample in src:
+            # Augmentations draw from torch's RNG, seeded per sample: the stream is the same
+            # whether or not earlier samples were skipped (resume) or transformed.
+            for index, sample in enumerate(src, start=skipped * self.batch_size):
+                torch.manual_seed(_seed(role_seed, index))
                 row = _decode(sample, self.transform, log)
                 if row is not None:
                     yield row[0], row[1], True, row[2]
+
+        def skip_raw(src):  # resume: drop already-trained samples before decoding them
+            for index, sample in enumerate(src):
+                if index >= skipped * self.batch_size:
+                    yield sample
 
         pipeline = wds.DataPipeline(
             # One infinite, seeded stream of shards, identical on every rank and worker
@@ -222,13 +241,11 @@ class _TrainStream(IterableDataset):
             split_by_rank,
             split_by_worker,
             wds.tarfile_to_samples(handler=log.tar_handler),
-            wds.shuffle(self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000), seed=local_seed),
+            wds.shuffle(self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000), seed=role_seed),
+            skip_raw,
             decode,
             wds.batched(self.batch_size, collation_fn=_collate, partial=False),
         )
-        remaining = _share(self.num_batches, worker, workers)
-        if remaining == 0:
-            return
         for batch in pipeline:
             yield (*batch, *log.drain())
             remaining -= 1
@@ -323,6 +340,7 @@ class TrainLoader(_LoaderBase):
         self.urls = expand_urls(shards)
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
+        self.skip_batches = 0
         self.shuffle_buffer, self.on_error, self.return_keys = shuffle_buffer, on_error, return_keys
         self.transform = build_transform(transform, train=True, image_size=image_size) if isinstance(transform, str) else transform
 
@@ -330,8 +348,13 @@ class TrainLoader(_LoaderBase):
         """Batches per epoch, identical on every rank: ``ceil(num_samples / global batch)``."""
         return math.ceil(self.num_samples / (self.batch_size * self.world_size))
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Select the epoch; ``skip_batches`` resumes it after that many batches, yielding
+        exactly the batches an uninterrupted epoch would have yielded next (skipped samples
+        are read but not decoded)."""
+        if not 0 <= skip_batches <= len(self):
+            raise ValueError(f"skip_batches must be in [0, {len(self)}], got {skip_batches}")
+        self.epoch, self.skip_batches = epoch, skip_batches
 
     def __iter__(self) -> Iterator[tuple]:
         self.skipped, self.skip_messages = 0, []
@@ -339,14 +362,16 @@ class TrainLoader(_LoaderBase):
             self.urls, batch_size=self.batch_size, num_batches=len(self), rank=self.rank,
             world_size=self.world_size, seed=self.seed, epoch=self.epoch,
             shuffle_buffer=self.shuffle_buffer, transform=self.transform, on_error=self.on_error,
+            skip=self.skip_batches,
         )
-        produced = 0
+        produced = self.skip_batches
         for images, labels, _mask, keys, skipped, messages in self._dataloader(stream):
             self._account(skipped, messages)
             produced += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
         if produced != len(self):
             raise DataError(f"rank {self.rank}: epoch produced {produced} batches instead of {len(self)}")
+        self.skip_batches = 0  # a resumed epoch resumes once
         self._report(f"train loader (rank {self.rank}, epoch {self.epoch})")
 
 

@@ -60,6 +60,10 @@ def main() -> int:
         result, code = {"error": str(err)}, 3
     rank = int(os.environ.get("RANK", 0))
     torch.save(result, f"{args.out}.rank{rank}.pt")
+    # Leave no communication thread running at interpreter exit (a joinable C++ thread
+    # destroyed at exit aborts the process).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return code
 
 

@@ -1,0 +1,208 @@
+"""The two engines the recipe runs on, behind one small interface.
+
+Both build on the plugin API (:mod:`distnorm.integrations`) — the recipe has no second code
+path for distnorm: the model is created with PyTorch's BatchNorm and the plugin converts
+it exactly as it would in a user's script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from distnorm.plugin import DistNormPlugin
+from distnorm.train.config import ConfigError, TrainConfig
+
+__all__ = ["Engine", "AccelerateEngine", "DeepSpeedEngine", "make_engine", "require_engine"]
+
+
+def require_engine(name: str) -> None:
+    """Raise a clear error if the engine's library is not installed."""
+    module = {"accelerate": "accelerate", "deepspeed": "deepspeed"}[name]
+    try:
+        __import__(module)
+    except ImportError:
+        raise ConfigError(
+            f"train.engine={name!r} needs the {module} package: `pip install distnorm[{name}]`"
+        ) from None
+
+
+class Engine:
+    """What the training loop needs from an engine."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    plugin: DistNormPlugin
+    model: nn.Module  # what to call for training forwards
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    def eval_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def cast_inputs(self, images: torch.Tensor) -> torch.Tensor:
+        return images
+
+    def save(self, directory: Path, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+
+def _optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optim
+    return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                           weight_decay=o.weight_decay)
+
+
+def lr_multiplier(cfg: TrainConfig, steps_per_epoch: int) -> Callable[[int], float]:
+    """Step-wise multiplier: linear warm-up, then ÷(1/gamma) at each milestone epoch."""
+    o = cfg.optim
+    warmup_steps = int(round(o.warmup_epochs * steps_per_epoch))
+
+    def multiplier(step: int) -> float:
+        epoch = step // steps_per_epoch
+        decay = o.gamma ** sum(epoch >= m for m in o.milestones)
+        if step < warmup_steps:
+            return decay * (o.warmup_start_factor + (1 - o.warmup_start_factor) * step / warmup_steps)
+        return decay
+
+    return multiplier
+
+
+class AccelerateEngine(Engine):
+    def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
+        from accelerate import Accelerator
+
+        import distnorm.integrations.accelerate as dn
+
+        cpu = cfg.train.cpu or not torch.cuda.is_available()
+        # One scheduler step per optimizer step (Accelerate's default steps it once per
+        # process), so the schedule is the same for every number of processes.
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision={"fp32": "no"}.get(cfg.train.precision, cfg.train.precision),
+                                       step_scheduler_with_optimizer=False)
+        self.plugin = dn.prepare(model, cfg.distnorm, self.accelerator)
+        optimizer = _optimizer(cfg, model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, steps_per_epoch))
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.plugin.follow(self.optimizer)
+        self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
+        self.device = self.accelerator.device
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def eval_model(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.model)
+
+    def save(self, directory: Path, state: dict[str, Any]) -> None:
+        self.accelerator.save_state(str(directory))
+        if self.is_main:
+            (directory / "trainer_state.json").write_text(json.dumps(state))
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        self.accelerator.load_state(str(directory))
+        return json.loads((directory / "trainer_state.json").read_text())
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
+        import deepspeed
+
+        import distnorm.integrations.deepspeed as dn
+
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() and not cfg.train.cpu else "gloo")
+        world = torch.distributed.get_world_size()
+        ds_config = json.loads(Path(cfg.train.deepspeed_config).read_text())
+        # The recipe owns batch size, optimizer and schedule; the JSON owns ZeRO and precision.
+        ds_config["train_micro_batch_size_per_gpu"] = cfg.per_rank_batch(world)
+        ds_config["gradient_accumulation_steps"] = 1
+        ds_config.pop("train_batch_size", None)
+        for owned in ("optimizer", "scheduler"):
+            if owned in ds_config:
+                raise ConfigError(
+                    f"{cfg.train.deepspeed_config}: remove the {owned!r} section; the recipe's optim section "
+                    "defines the optimizer and learning-rate schedule"
+                )
+        ds_config.setdefault("zero_allow_untested_optimizer", True)
+        self.plugin = dn.prepare(model, cfg.distnorm)
+        optimizer = _optimizer(cfg, model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, steps_per_epoch))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.plugin.follow(self.engine)
+        self.model = self.engine
+        self.rank, self.world_size = self.engine.global_rank, self.engine.world_size
+        self.device = self.engine.device
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def lr(self) -> float:
+        return self.engine.get_lr()[0]
+
+    def eval_model(self) -> nn.Module:
+        return self.engine  # ZeRO-3 gathers parameters in the engine's hooks
+
+    def cast_inputs(self, images: torch.Tensor) -> torch.Tensor:
+        if self.engine.bfloat16_enabled():
+            return images.bfloat16()
+        if self.engine.fp16_enabled():
+            return images.half()
+        return images
+
+    def save(self, directory: Path, state: dict[str, Any]) -> None:
+        # The checkpoint manager keeps its own `latest` pointer (to complete checkpoints only).
+        self.engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"trainer": state},
+                                    save_latest=False)
+
+    def load(self, directory: Path) -> dict[str, Any]:
+        path, client_state = self.engine.load_checkpoint(str(directory.parent), tag=directory.name)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint {directory}")
+        return client_state["trainer"]
+
+
+def make_engine(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int) -> Engine:
+    require_engine(cfg.train.engine)
+    cls = AccelerateEngine if cfg.train.engine == "accelerate" else DeepSpeedEngine
+    return cls(cfg, model, steps_per_epoch)
+
+
+def local_world() -> tuple[int, int]:
+    """``(rank, world_size)`` from the launcher's environment, before any group exists."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
