@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench clean
+.PHONY: install test demo bench clean
 
 install: $(STAMP)
 
@@ -18,6 +18,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The quick start: digits shards, a 2-process CPU run of configs/demo/digits.yaml through
+# launch/torchrun.sh, then plots. A few minutes on 2 cores.
+DEMO_DIR ?= runs/demo
+demo: $(STAMP)
+	$(PY) -m distnorm.data.shards digits data/digits-train --split train --maxcount 256 --quiet
+	$(PY) -m distnorm.data.shards digits data/digits-val --split val --maxcount 128 --quiet
+	rm -rf $(DEMO_DIR)
+	NPROC=2 PYTHON=$(PY) OMP_NUM_THREADS=1 launch/torchrun.sh configs/demo/digits.yaml output.dir=$(DEMO_DIR) output.progress=false
+	$(PY) -m distnorm.report $(DEMO_DIR) --out $(DEMO_DIR)/report
+	@echo "metrics: $(DEMO_DIR)/metrics.jsonl  plots: $(DEMO_DIR)/report/  checkpoint: $(DEMO_DIR)/checkpoints/"
 
 bench: $(STAMP)
 	$(PY) bench/layers.py --json bench/results/layers.json

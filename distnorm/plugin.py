@@ -140,8 +140,13 @@ class DistNormPlugin:
         elif hasattr(source, "param_groups"):
             groups = source.param_groups
             where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
-            missing = [n for n, p in self.model.named_parameters() if p.requires_grad and id(p) not in where]
-            if missing:
+            trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+            missing = [n for n, p in trainable if id(p) not in where]
+            if len(missing) == len(trainable):
+                # An engine's optimizer over flattened / sharded copies (DeepSpeed under
+                # Accelerate): layers cannot be matched to groups; follow group 0.
+                logger.info("distnorm: optimizer holds copies of the parameters; AMAT follows param group 0")
+            elif missing:
                 raise ValueError(
                     f"DistNormPlugin.follow(): the optimizer does not hold {len(missing)} trainable parameter(s) "
                     f"of the model (e.g. {missing[:3]}): it was built before distnorm converted the model. "

@@ -1,0 +1,186 @@
+"""The recipe end to end: the demo path, two simulated nodes, dry runs of every shipped
+ImageNet config, crash + resume, and configuration errors before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distnorm import data as D
+from distnorm.train.checkpoint import verify_checkpoint
+from distnorm.train.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "configs" / "demo" / "digits.yaml"
+IMAGENET_CONFIGS = sorted((REPO / "configs" / "imagenet").glob("*.yaml"))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("digits")
+    D.write_shards(D.DigitsSource("train"), str(root / "digits-train"), maxcount=256, progress=False)
+    D.write_shards(D.DigitsSource("val"), str(root / "digits-val"), maxcount=128, progress=False)
+    return root
+
+
+def _data_overrides(root: Path) -> list[str]:
+    return [f"data.train_shards={root}/digits-train-{{000000..000005}}.tar", f"data.train_index={root}/digits-train-index.json",
+            f"data.val_shards={root}/digits-val-{{000000..000002}}.tar", f"data.val_index={root}/digits-val-index.json"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_port()), **extra}
+
+
+def _torchrun_sh(*args: str, env: dict, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(REPO / "launch" / "torchrun.sh"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.mark.timeout(900)
+def test_demo_path_end_to_end(tmp_path, digits):
+    run = tmp_path / "demo"
+    proc = _torchrun_sh(str(DEMO), *_data_overrides(digits), f"output.dir={run}", "train.epochs=2",
+                        "output.progress=false", env=_env(NPROC="2"))
+    assert "final top-1" in proc.stdout and "checkpoints/latest" in proc.stdout
+    evals = _records(run, "eval")
+    assert len(evals) == 2 and evals[-1]["count"] == 360 and evals[-1]["top1"] > 30
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    assert verify_checkpoint(latest) is None
+    assert (run / "config.yaml").is_file()
+    report = subprocess.run([sys.executable, "-m", "distnorm.report", str(run)], capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0 and (run / "report" / "top1.png").is_file()
+
+
+@pytest.mark.timeout(900)
+def test_two_nodes_on_loopback_equal_one_node(tmp_path, digits):
+    common = [str(DEMO), *_data_overrides(digits), "train.max_steps=8", "output.log_every=1", "output.progress=false",
+              "train.epochs=1"]
+    one = tmp_path / "one"
+    _torchrun_sh(*common, f"output.dir={one}", env=_env(NPROC="2"))
+    two = tmp_path / "two"
+    env = _env(NPROC="1", NNODES="2", RDZV="static", MASTER_ADDR="127.0.0.1")
+    nodes = [subprocess.Popen([str(REPO / "launch" / "torchrun.sh"), *common, f"output.dir={two}"], cwd=REPO,
+                              env={**env, "NODE_RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outputs = [n.communicate(timeout=600) for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), outputs
+    a, b = _records(one, "train"), _records(two, "train")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 9))
+    for ra, rb in zip(a, b):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7) and ra["lr"] == rb["lr"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config", IMAGENET_CONFIGS, ids=[p.stem for p in IMAGENET_CONFIGS])
+def test_dry_run_every_imagenet_config(config):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    if "deepspeed" in config.stem:  # one process, as a launcher would set it up
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    proc = subprocess.run([sys.executable, "-m", "distnorm.train", "--config", str(config), "--dry-run",
+                           "--dry-run-batch", "2", "train.cpu=true", "output.dir=/tmp/distnorm-dry-run"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "dry run OK: 2 steps" in proc.stdout
+
+
+@pytest.mark.timeout(900)
+def test_kill_mid_epoch_and_resume_continues_exactly(tmp_path, digits):
+    args = [str(DEMO), *_data_overrides(digits), "train.epochs=2", "output.log_every=1",
+            "output.checkpoint_every_steps=6", "output.progress=false"]
+    full = tmp_path / "full"
+    _torchrun_sh(*args, f"output.dir={full}", env=_env(NPROC="2"))
+
+    crashed = tmp_path / "crashed"
+    env = _env(NPROC="2")
+    proc = subprocess.Popen([str(REPO / "launch" / "torchrun.sh"), *args, f"output.dir={crashed}"], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (crashed / "checkpoints" / "step_000000012").is_dir():  # mid epoch 1 (23 steps/epoch)
+        assert time.time() < deadline and proc.poll() is None, "no mid-epoch checkpoint appeared"
+        time.sleep(0.2)
+    # kill -9 of the whole job, as a scheduler does (torchrun starts each rank in its own
+    # session, so the launcher's process group alone does not reach them).
+    subprocess.run(["pkill", "-9", "-f", f"output.dir={crashed}"], check=False)
+    proc.wait(timeout=60)
+    time.sleep(1)
+    assert subprocess.run(["pgrep", "-f", f"output.dir={crashed}"], capture_output=True).stdout == b""
+
+    _torchrun_sh(*args, f"output.dir={crashed}", env=_env(NPROC="2"))
+    resume = _records(crashed, "resume")
+    assert resume and resume[-1]["global_step"] >= 12
+    start = resume[-1]["global_step"]
+    reference = {r["step"]: r for r in _records(full, "train")}
+    after = [r for r in _records(crashed, "train") if r["time"] > resume[-1]["time"]]
+    assert after[0]["step"] == start + 1 and after[-1]["step"] == 46
+    for r in after:  # same data, same augmentations, same LR schedule position
+        assert r["lr"] == reference[r["step"]]["lr"]
+        assert r["loss"] == pytest.approx(reference[r["step"]]["loss"], rel=1e-5, abs=1e-6)
+    assert _records(crashed, "eval")[-1]["top1"] == pytest.approx(_records(full, "eval")[-1]["top1"], abs=1e-9)
+
+
+# ------------------------------------------------------------------ bad input
+def test_unknown_key_and_bad_values(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"extends: {DEMO}\ntrain:\n  epohcs: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['train.epohcs'\]"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"must be <section>.<key>"):
+        load_config(DEMO, ["trainer.epochs=3"])
+    bad.write_text(f"extends: {DEMO}\ntrainer:\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section\(s\) \['trainer'\]"):
+        load_config(bad)
+    bad.write_text(f"extends: {DEMO}\ntrain:\n  epohcs: 3\n")
+    with pytest.raises(ValueError, match="distnorm.*nrom"):
+        load_config(DEMO, ["distnorm.nrom=cbn"])
+    with pytest.raises(ConfigError, match="train.engine"):
+        load_config(DEMO, ["train.engine=megatron"])
+    proc = subprocess.run([sys.executable, "-m", "distnorm.train", "--config", str(bad), "--dry-run"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "train.epohcs" in proc.stderr
+
+
+def test_missing_shards_and_engine_and_batch_split(tmp_path, digits, monkeypatch):
+    from distnorm.train.loop import check_setup
+
+    cfg = load_config(DEMO, _data_overrides(digits))
+    check_setup(cfg, 2)
+    with pytest.raises(ConfigError, match="does not split over 3 processes"):
+        check_setup(cfg, 3)
+    missing = load_config(DEMO, [*_data_overrides(digits), f"data.train_shards={digits}/digits-train-{{000000..000009}}.tar"])
+    with pytest.raises(ConfigError, match="4 shard.s. missing"):
+        check_setup(missing, 2)
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # Python's own "not installed"
+    ds = load_config(DEMO, [*_data_overrides(digits), "train.engine=deepspeed",
+                            "train.deepspeed_config=configs/deepspeed/zero0_bf16.json"])
+    with pytest.raises(ConfigError, match=r"pip install distnorm\[deepspeed\]"):
+        check_setup(ds, 2)
+
+
+def test_launcher_refuses_bad_split_before_starting_workers(tmp_path, digits):
+    proc = _torchrun_sh(str(DEMO), *_data_overrides(digits), f"output.dir={tmp_path / 'x'}",
+                        env=_env(NPROC="3"), check=False, timeout=120)
+    assert proc.returncode == 2
+    assert "does not split over 3 processes" in proc.stderr
+    assert "torch.distributed" not in proc.stderr and not (tmp_path / "x").exists()  # no worker started
