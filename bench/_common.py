@@ -84,3 +84,38 @@ def write_json(path: str | None, payload: dict) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text + "\n")
         print(f"wrote {path}")
+
+
+def training_memory_bytes(model, optimizer, compute_loss, device: torch.device) -> int:
+    """Memory one training step needs (runs one step: forward, backward, optimizer step).
+
+    CUDA: the peak allocated during the step above what was allocated before it. CPU (no
+    allocator statistics): an exact account of what training keeps — parameters, buffers,
+    gradients, optimizer state, and the distinct storages autograd saves for backward —
+    which excludes transient temporaries of the backward pass.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        optimizer.zero_grad(set_to_none=True)
+        compute_loss().backward()
+        optimizer.step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compute_loss()
+    loss.backward()
+    optimizer.step()
+    kept = [*model.parameters(), *model.buffers()]
+    kept += [p.grad for p in model.parameters() if p.grad is not None]
+    kept += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    return sum(storages.values()) + sum(t.numel() * t.element_size() for t in kept)

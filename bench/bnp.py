@@ -5,7 +5,7 @@
 For each model (torchvision ResNet-18, and the CIFAR ResNet-20 of ``distnorm.models``, both
 with PyTorch's local BatchNorm), times one SGD training step (forward, backward, optimizer
 step) with and without BNP on the same batch, interleaved, median of repeats; and measures
-the memory of training (see :func:`memory_bytes`).
+the memory of training (see :func:`_common.training_memory_bytes`).
 
 ``ratios.step_bnp_vs_plain`` / ``ratios.mem_bnp_vs_plain`` refer to ResNet-18.
 """
@@ -19,7 +19,7 @@ import json
 import torch
 from torch import nn
 
-from _common import interleaved_medians, machine, use_stable_allocator, write_json  # noqa: I001
+from _common import interleaved_medians, machine, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
 
 import distnorm
 
@@ -60,39 +60,6 @@ class Step:
         self.opt.step()
 
 
-def memory_bytes(step: Step, device: torch.device) -> int:
-    """Memory a training step needs.
-
-    CUDA: the peak allocated during a step, above what was allocated before it. CPU (no
-    allocator statistics): an exact account of what training keeps — parameters, buffers,
-    gradients, optimizer state, and the distinct storages autograd saves for backward —
-    which excludes transient temporaries of the backward pass.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    step.opt.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step.loss(step.model(step.x), step.y)
-    loss.backward()
-    step.opt.step()
-    model_state = [*step.model.parameters(), *step.model.buffers()]
-    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
-    opt_state = [v for state in step.opt.state.values() for v in state.values() if torch.is_tensor(v)]
-    return sum(storages.values()) + sum(t.numel() * t.element_size() for t in model_state + grads + opt_state)
-
-
 def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> dict | None:
     model = build(name)
     if model is None:
@@ -103,7 +70,8 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
     y = torch.randint(0, 10, (batch,), device=device)
     steps = {"plain": Step(copy.deepcopy(model), False, x, y), "bnp": Step(copy.deepcopy(model), True, x, y)}
     medians = interleaved_medians(steps, repeats, device, warmup=1)
-    mem = {variant: memory_bytes(step, device) for variant, step in steps.items()}
+    mem = {variant: training_memory_bytes(step.model, step.opt, lambda s=step: s.loss(s.model(s.x), s.y), device)
+           for variant, step in steps.items()}
     return {
         "input": [batch, 3, size, size],
         "median_step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},

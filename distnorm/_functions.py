@@ -238,6 +238,7 @@ class CompleteNormFunction(torch.autograd.Function):
         r_max: float,
         group: ProcessGroup | None,
         layer: str,
+        stats_out: dict | None = None,
     ) -> torch.Tensor:
         acc = accumulate_dtype(x)
         moments = _collectives.global_moments(x, group, layer=layer)
@@ -286,6 +287,8 @@ class CompleteNormFunction(torch.autograd.Function):
         amat_initialized.logical_or_(valid.bool())
         _update_running_stats(running_mean, running_var, num_batches_tracked, moments, momentum, valid)
 
+        if stats_out is not None:  # theory monitors (distnorm.monitors); None on the hot path
+            stats_out.update(mean=mu_b.detach().clone(), sigma=s.detach().clone(), amat_mean=mu_u.detach().clone())
         a = gamma / (rho * s_u)
         ctx.save_for_backward(x, center, var_used, moments.count, a, s_u, s, d, r_mu, r_sig, mu_u - beta)
         ctx.rho = rho
@@ -330,7 +333,7 @@ class CompleteNormFunction(torch.autograd.Function):
                 grad_x.addcmul_(grad_out, _channel_view(a.to(grad_x.dtype), x.dim()))
             else:
                 grad_x = torch.empty_like(x)
-        return (grad_x, grad_gamma, grad_beta) + (None,) * 13
+        return (grad_x, grad_gamma, grad_beta) + (None,) * 14
 
 
 class BNPGradientFunction(torch.autograd.Function):

@@ -124,6 +124,7 @@ def cbn(
     process_group: ProcessGroup | None = None,
     sync: bool = True,
     layer: str = "cbn",
+    stats_out: dict | None = None,
 ) -> torch.Tensor:
     """Complete batch normalization with AMAT (paper 002; SPEC §1).
 
@@ -153,7 +154,7 @@ def cbn(
         _check_local_batch(x, layer)
     return CompleteNormFunction.apply(
         x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
-        num_batches_tracked, float(eta), float(rho), float(eps), momentum, float(r_max), group, layer,
+        num_batches_tracked, float(eta), float(rho), float(eps), momentum, float(r_max), group, layer, stats_out,
     )
 
 

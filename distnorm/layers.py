@@ -106,6 +106,8 @@ class _CompleteNorm(_DistNormLayer):
         self.sync = bool(sync)
         self.process_group = process_group
         self.lr: float | None = None
+        #: Set to a dict by distnorm.monitors to receive the last training batch's statistics.
+        self.stats_sink: dict | None = None
 
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
@@ -164,6 +166,7 @@ class _CompleteNorm(_DistNormLayer):
             training=self.training, eta=self.eta, rho=self.rho, eps=self.eps,
             momentum=self.momentum, r_max=self.r_max, eval_stats=self.eval_stats,
             process_group=self.process_group, sync=self.sync, layer=self._layer_name(),
+            stats_out=self.stats_sink,
         )
 
 

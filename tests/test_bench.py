@@ -50,3 +50,24 @@ def test_bench_data_quick(tmp_path):
     assert set(result["ratios"]) == {"wds_vs_imagefolder_1worker", "wds_vs_imagefolder_2workers"}
     assert all(v > 0 for v in result["ratios"].values())
     assert result["images_per_pass"]["wds_1"] == result["images_per_pass"]["imagefolder_1"]
+
+
+@pytest.mark.timeout(900)
+def test_bench_step_quick(tmp_path):
+    result = _run("step.py", tmp_path)
+    keys = {f"step_{v}_vs_local_bn{s}" for v in ("cbn", "popnorm", "syncbn", "bnp") for s in ("", "_resnet20")}
+    assert set(result["ratios"]) == keys and all(v > 0 for v in result["ratios"].values())
+    counts = result["models"]["resnet20"]["distnorm_collectives_per_step"]
+    # one forward + one backward collective per synchronized layer (19 pre-op CBNs, of which the
+    # first sees the image and needs no input gradient); one per BNP layer (20)
+    assert counts["cbn"]["collectives"] == 2 * 19 - 1 and counts["bnp"]["collectives"] == 20
+    assert result["small_all_reduce_latency_ms"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_bench_all_collects_json_and_markdown(tmp_path):
+    subprocess.run([sys.executable, str(REPO / "bench" / "all.py"), "--quick", "--only", "layers", "--out", str(tmp_path)],
+                   check=True, cwd=REPO, timeout=600)
+    (summary,) = tmp_path.glob("*-quick.json")
+    assert "cbn_vs_batchnorm2d" in json.loads(summary.read_text())["results"]["layers"]["ratios"]
+    assert "`cbn_vs_batchnorm2d`" in summary.with_suffix(".md").read_text()

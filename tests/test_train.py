@@ -62,7 +62,7 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
 def test_demo_path_end_to_end(tmp_path, digits):
     run = tmp_path / "demo"
     proc = _torchrun_sh(str(DEMO), *_data_overrides(digits), f"output.dir={run}", "train.epochs=2",
-                        "output.progress=false", env=_env(NPROC="2"))
+                        "output.progress=false", "output.monitors=true", "output.monitor_every=10", env=_env(NPROC="2"))
     assert "final top-1" in proc.stdout and "checkpoints/latest" in proc.stdout
     evals = _records(run, "eval")
     assert len(evals) == 2 and evals[-1]["count"] == 360 and evals[-1]["top1"] > 30
@@ -71,6 +71,11 @@ def test_demo_path_end_to_end(tmp_path, digits):
     assert (run / "config.yaml").is_file()
     report = subprocess.run([sys.executable, "-m", "distnorm.report", str(run)], capture_output=True, text=True, timeout=300)
     assert report.returncode == 0 and (run / "report" / "top1.png").is_file()
+    monitors = _records(run, "monitor")
+    layers = {r["layer"] for r in monitors}
+    assert "model" in layers and "conv1.norm" in layers and {r["step"] for r in monitors} == {10, 20, 30, 40}
+    assert all("eta_q50" in r and "tau_q50" in r for r in monitors if r["layer"] != "model")
+    assert (run / "report" / "monitor_tau_q50.png").is_file() and (run / "report" / "monitor_grad_variance.png").is_file()
 
 
 @pytest.mark.timeout(900)

@@ -94,6 +94,8 @@ class OutputConfig:
     log_every: int = 20
     tensorboard: bool = True
     progress: bool = True
+    monitors: bool = False  # theory monitors (distnorm.monitors), logged as kind "monitor"
+    monitor_every: int = 50
 
 
 @dataclass

@@ -142,6 +142,11 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
     global_step = state["global_step"]
     progress = _Progress(main and cfg.output.progress and not dry_run, max_steps, global_step, cfg.model.name)
     ckpt_every = cfg.output.checkpoint_every_steps
+    monitor = None
+    if cfg.output.monitors and main and not dry_run:
+        from distnorm.monitors import TheoryMonitor
+
+        monitor = TheoryMonitor(engine.plugin.model, every=cfg.output.monitor_every)
     started = time.time()
     try:
         for epoch in range(state["epoch"], cfg.train.epochs):
@@ -162,9 +167,14 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
                 labels = labels.to(engine.device, non_blocking=True)
                 loss = loss_fn(engine.model(images).float(), labels)
                 engine.backward(loss)
+                if monitor is not None:
+                    monitor.after_backward(global_step + 1)
                 lr = engine.lr()
                 engine.step()
                 global_step += 1
+                if monitor is not None:
+                    for record in monitor.records(global_step):
+                        writer.log("monitor", epoch=epoch, **record)
                 step_in_epoch += 1
                 loss_value = loss.item()
                 if not math.isfinite(loss_value):

@@ -1,0 +1,172 @@
+"""One data-parallel training step: distnorm's layers and BNP against local BatchNorm, DDP.
+
+    python bench/step.py --json bench/results/step-cpu.json [--quick] [--world-size 2]
+
+Two ranks (gloo on CPU, NCCL with one GPU per rank when CUDA is available) each build
+ResNet-18 and the CIFAR ResNet-20 in five variants — PyTorch's local ``nn.BatchNorm2d``
+(the baseline), synced CBN, synced POP-Norm, distnorm's SyncBatchNorm, and local BN with
+BNP attached — wrap them in ``DistributedDataParallel`` (the same keyword arguments for
+all: ``distnorm.ddp_kwargs()``, no per-forward buffer broadcast) and time one SGD step
+(forward, backward with DDP's gradient all-reduce, optimizer step), interleaved, median of
+repeats on rank 0. It also counts distnorm's collectives per step (DDP's own bucketed
+gradient all-reduces run in C++ and are not counted) and measures training memory
+(``_common.training_memory_bytes``).
+
+``ratios.step_<variant>_vs_local_bn`` are ResNet-18; ``..._resnet20`` the CIFAR model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from _common import machine, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
+
+import distnorm
+from distnorm import models
+
+VARIANTS = ("local_bn", "cbn", "popnorm", "syncbn", "bnp")
+# name: (input side, per-rank batch, quick side, quick batch)
+MODELS = {"resnet18": (128, 8, 64, 2), "resnet20": (32, 64, 32, 8)}
+
+
+def build(name: str, variant: str) -> nn.Module:
+    torch.manual_seed(0)
+    norm = {"cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn"}.get(variant, "local_bn")
+    model = models.create(name, num_classes=10, norm=norm, activation=None)
+    if variant == "bnp":
+        distnorm.bnp.attach(model)
+    return model
+
+
+def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    torch.set_num_threads(1)
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    calls: list[int] = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor, *args, **kwargs):  # counts distnorm's collectives, runs the real one
+        calls.append(tensor.numel() * tensor.element_size())
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    results = {}
+    for name, (side, batch, qside, qbatch) in MODELS.items():
+        side, batch = (qside, qbatch) if quick else (side, batch)
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(batch, 3, side, side, generator=gen).to(device)
+        y = torch.randint(0, 10, (batch,), generator=gen).to(device)
+        loss_fn = nn.CrossEntropyLoss()
+        runs = {}
+        for variant in VARIANTS:
+            model = build(name, variant).to(device)
+            ddp = DDP(model, device_ids=[rank] if cuda else None, **distnorm.ddp_kwargs())
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+            distnorm.set_lr(ddp, 0.005)  # eta = 0.95: CBN's AMAT history path
+
+            def step(ddp=ddp, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(ddp(x), y).backward()
+                opt.step()
+
+            runs[variant] = (ddp, opt, step)
+        times = {v: [] for v in VARIANTS}
+        counts, mem = {}, {}
+        for variant, (ddp, opt, step) in runs.items():
+            step()  # warm-up
+            dist.all_reduce = spy
+            calls.clear()
+            step()
+            dist.all_reduce = real_all_reduce
+            counts[variant] = {"collectives": len(calls), "bytes": sum(calls)}
+            mem[variant] = training_memory_bytes(ddp, opt, lambda ddp=ddp: loss_fn(ddp(x), y), device)
+        for _ in range(repeats):
+            for variant, (_, _, step) in runs.items():
+                dist.barrier()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                step()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                times[variant].append(time.perf_counter() - start)
+        medians = {v: statistics.median(t) for v, t in times.items()}
+        results[name] = {
+            "input_per_rank": [batch, 3, side, side],
+            "median_step_ms": {v: round(t * 1e3, 3) for v, t in medians.items()},
+            "ratio_vs_local_bn": {v: round(t / medians["local_bn"], 4) for v, t in medians.items()},
+            "distnorm_collectives_per_step": counts,
+            "memory_bytes": mem,
+            "memory_ratio_vs_local_bn": {v: round(m / mem["local_bn"], 4) for v, m in mem.items()},
+        }
+    # The floor under every synchronized layer: latency of one small all-reduce here.
+    probe = torch.zeros(129, dtype=torch.float64, device=device)
+    for _ in range(10):
+        dist.all_reduce(probe)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(probe)
+    if cuda:
+        torch.cuda.synchronize(device)
+    latency_ms = (time.perf_counter() - start) / 200 * 1e3
+    if rank == 0:
+        out.put({"results": results, "device": str(device), "backend": dist.get_backend(), "latency_ms": latency_ms})
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (2 if args.quick else 7)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, args.world_size, str(Path(tmp) / "store"), args.quick, repeats, queue))
+                 for r in range(args.world_size)]
+        for p in procs:
+            p.start()
+        got = queue.get(timeout=3600)
+        for p in procs:
+            p.join(timeout=120)
+    results = got["results"]
+    ratios = {}
+    for name, suffix in (("resnet18", ""), ("resnet20", "_resnet20")):
+        for variant in VARIANTS[1:]:
+            ratios[f"step_{variant}_vs_local_bn{suffix}"] = results[name]["ratio_vs_local_bn"][variant]
+    payload = {"benchmark": "step", "machine": machine(), "device": got["device"], "backend": got["backend"],
+               "world_size": args.world_size, "repeats": repeats,
+               "small_all_reduce_latency_ms": round(got["latency_ms"], 3), "models": results, "ratios": ratios}
+    for name, r in results.items():
+        print(f"{name} {tuple(r['input_per_rank'])} per rank: step ms {r['median_step_ms']}")
+        print(f"  ratio vs local BN {r['ratio_vs_local_bn']}; memory ratio {r['memory_ratio_vs_local_bn']}")
+        print(f"  distnorm collectives per step {r['distnorm_collectives_per_step']}")
+    print(f"one all-reduce of 129 float64 values: {got['latency_ms']:.3f} ms")
+    print(f"ratios: {json.dumps(ratios)}")
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    use_stable_allocator()
+    main()

@@ -1,0 +1,70 @@
+"""Theory monitors, the reproduction driver (smoke budget) and distnorm-report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distnorm
+from distnorm import models
+from distnorm.monitors import TheoryMonitor
+
+
+def test_monitors_are_off_by_default_and_record_when_attached():
+    model = models.create("resnet20", num_classes=10, norm="cbn")
+    cbns = [m for m in model.modules() if isinstance(m, distnorm.CBN)]
+    assert all(m.stats_sink is None for m in cbns)
+    monitor = TheoryMonitor(model, every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in (1, 2):
+        distnorm.set_lr(model, 0.05)
+        loss = torch.nn.functional.cross_entropy(model(torch.randn(8, 3, 32, 32) + 0.5), torch.randint(0, 10, (8,)))
+        opt.zero_grad()
+        loss.backward()
+        monitor.after_backward(step)
+        opt.step()
+        records = monitor.records(step)
+        assert (records == []) == (step == 1)
+    layer = records[0]
+    # tau_k = gamma / (rho * sigma_B): checked against the layer's own statistics
+    sink = cbns[0].stats_sink
+    tau = (cbns[0].weight.detach().double() / (cbns[0].rho * sink["sigma"].double()))
+    assert layer["tau_q50"] == pytest.approx(float(torch.quantile(tau, 0.5)))
+    assert 0 <= layer["eta_in_0_2"] <= 1
+    assert records[-1]["layer"] == "model" and records[-1]["grad_variance"] >= 0
+    monitor.remove()
+    assert all(m.stats_sink is None for m in cbns)
+    bn_model = models.create("resnet20", num_classes=10, norm="local_bn")
+    assert len(TheoryMonitor(bn_model).invariant) == 19  # the convs followed by BatchNorm
+
+
+@pytest.mark.timeout(600)
+def test_repro_quick_writes_table_and_figures(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "distnorm.repro", "digits", "--out", str(tmp_path), "--quick",
+                           "--norms", "bn", "cbn", "--workers", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert {(r["norm"], r["activation"]) for r in result["runs"]} == {(n, a) for n in ("bn", "cbn") for a in ("relu", "tanh")}
+    assert all(0 <= r["final_accuracy"] <= 100 and len(r["train_loss"]) == 1 for r in result["runs"])
+    assert "| cbn |" in (tmp_path / "table.md").read_text() and (tmp_path / "loss_curves.png").stat().st_size > 0
+
+
+def test_report_overlays_runs_and_survives_a_truncated_line(tmp_path):
+    for name, top1 in (("a", 50.0), ("b", 60.0)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"kind": "train", "step": s, "epoch": 0, "loss": 2.0 / s, "lr": 0.1, "images_per_sec": 100.0} for s in (1, 2)]
+        lines += [{"kind": "eval", "step": 2, "epoch": 1, "top1": top1, "top5": 90.0, "loss": 1.0, "count": 10}]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + '\n{"kind": "tra')
+    proc = subprocess.run([sys.executable, "-m", "distnorm.report", str(tmp_path / "a"), str(tmp_path / "b"),
+                           "--out", str(tmp_path / "r")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    summary = (tmp_path / "r" / "summary.md").read_text()
+    assert "| a | 2 |" in summary and "60.00" in summary
+    assert (tmp_path / "r" / "loss.png").is_file() and (tmp_path / "r" / "throughput.png").is_file()
+    missing = subprocess.run([sys.executable, "-m", "distnorm.report", str(tmp_path / "nope")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "metrics.jsonl" in missing.stderr
