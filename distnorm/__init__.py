@@ -16,6 +16,7 @@ from distnorm.config import DistNormConfig, add_arguments
 from distnorm.consistency import check_consistency
 from distnorm.convert import PreNorm, conversion_summary, convert, revert
 from distnorm.errors import (
+    CollectiveFailedError,
     CollectiveMismatchError,
     DistNormError,
     InconsistentStateError,
@@ -47,5 +48,6 @@ __all__ = [
     "DistNormError",
     "InconsistentStateError",
     "CollectiveMismatchError",
+    "CollectiveFailedError",
     "NonFiniteStatisticsError",
 ]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distnorm import _debug
-from distnorm.errors import CollectiveMismatchError, NonFiniteStatisticsError
+from distnorm.errors import CollectiveFailedError, CollectiveMismatchError, NonFiniteStatisticsError
 
 __all__ = [
     "Moments",
@@ -129,7 +129,15 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: st
         return tensor
     if _debug.is_debug():
         _check_slot(group, slot, tensor.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    except RuntimeError as err:  # DistBackendError included: a peer died or timed out
+        layer, _, rest = slot.partition("|")
+        phase = rest.split("|")[0] if rest else "collective"
+        raise CollectiveFailedError(
+            f"{layer or 'distnorm'}: the {phase} all-reduce failed on rank {dist.get_rank()} ({err}). Another rank "
+            "probably died, stalled past the process group's timeout, or raised an error of its own; see its log."
+        ) from err
     return tensor
 
 

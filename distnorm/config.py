@@ -52,6 +52,7 @@ class DistNormConfig:
     bnp_exclude: tuple[str, ...] = field(default=(), metadata={"help": "BNP: module name patterns to skip (comma separated)"})
     group_size: int | None = field(default=None, metadata={"help": "synchronize within groups of this many consecutive ranks (default: all ranks)"})
     check_every: int = field(default=200, metadata={"help": "verify buffers are identical across ranks every N training forwards (0: never)"})
+    collective_timeout_s: float | None = field(default=None, metadata={"help": "timeout of the sub-groups distnorm creates (default: the default group's)"})
 
     def __post_init__(self) -> None:
         if isinstance(self.bnp_exclude, str):
@@ -73,6 +74,8 @@ class DistNormConfig:
             raise ValueError(f"distnorm config: bnp_momentum must be in [0, 1), got {self.bnp_momentum!r}")
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"distnorm config: group_size must be >= 1 or None, got {self.group_size!r}")
+        if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
+            raise ValueError(f"distnorm config: collective_timeout_s must be > 0 or None, got {self.collective_timeout_s!r}")
         if self.check_every < 0:
             raise ValueError(f"distnorm config: check_every must be >= 0, got {self.check_every!r}")
         if self.gn_groups < 1:

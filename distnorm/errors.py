@@ -11,6 +11,7 @@ __all__ = [
     "InconsistentStateError",
     "CollectiveMismatchError",
     "NonFiniteStatisticsError",
+    "CollectiveFailedError",
 ]
 
 
@@ -40,3 +41,7 @@ class CollectiveMismatchError(DistNormError):
 
 class NonFiniteStatisticsError(DistNormError, FloatingPointError):
     """A normalization layer produced NaN/Inf batch statistics (debug mode only)."""
+
+
+class CollectiveFailedError(DistNormError):
+    """A distnorm collective failed (a peer died, timed out or raised); names the layer and phase."""

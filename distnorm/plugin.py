@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -59,7 +60,7 @@ def ddp_kwargs() -> dict[str, bool]:
     return {"broadcast_buffers": False}
 
 
-def _subgroup(size: int) -> Any:
+def _subgroup(size: int, timeout_s: float | None = None) -> Any:
     """This rank's group of ``size`` consecutive ranks (created collectively on every rank)."""
     if not _collectives.is_distributed():
         raise RuntimeError(
@@ -69,7 +70,8 @@ def _subgroup(size: int) -> Any:
     world = dist.get_world_size()
     if world % size:
         raise ValueError(f"distnorm: group_size={size} does not divide the world size {world}")
-    group, _ = dist.new_subgroups(group_size=size)
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
     return group
 
 
@@ -92,7 +94,7 @@ class DistNormPlugin:
     def __init__(self, model: nn.Module, config: DistNormConfig | None = None):
         self.config = config if config is not None else DistNormConfig()
         self.model = model
-        self.group = _subgroup(self.config.group_size) if self.config.group_size else None
+        self.group = _subgroup(self.config.group_size, self.config.collective_timeout_s) if self.config.group_size else None
         self._config_checked = False
         self._verify_config()
         cfg = self.config

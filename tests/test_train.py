@@ -161,6 +161,9 @@ def test_unknown_key_and_bad_values(tmp_path):
         load_config(DEMO, ["distnorm.nrom=cbn"])
     with pytest.raises(ConfigError, match="train.engine"):
         load_config(DEMO, ["train.engine=megatron"])
+    with pytest.raises(ConfigError, match="train.epochs='two' is not a valid int"):
+        load_config(DEMO, ["train.epochs=two"])
+    assert load_config(DEMO, ["optim.weight_decay=1e-4"]).optim.weight_decay == 1e-4  # YAML 1.1 reads a string
     proc = subprocess.run([sys.executable, "-m", "distnorm.train", "--config", str(bad), "--dry-run"],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2 and "train.epohcs" in proc.stderr

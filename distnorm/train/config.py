@@ -84,6 +84,9 @@ class RunConfig:
     deepspeed_config: str | None = None
     max_steps: int | None = None  # stop early (smoke tests); the schedule still spans `epochs`
     eval_every_epochs: int = 1
+    collective_timeout_s: float = 600.0  # every collective of the run fails after this long
+    on_nonfinite: str = "stop"  # a NaN/Inf loss on any rank: "stop" (error) or "skip" the step everywhere
+    debug: bool = False  # distnorm debug mode: name the first layer with non-finite statistics
 
 
 @dataclass
@@ -140,6 +143,10 @@ class TrainConfig:
             raise ConfigError(f"train.precision={t.precision!r}; choose one of {PRECISIONS}")
         if t.engine == "deepspeed" and not t.deepspeed_config:
             raise ConfigError("train.engine=deepspeed needs train.deepspeed_config (a DeepSpeed JSON file)")
+        if t.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}; choose 'stop' or 'skip'")
+        if not t.collective_timeout_s > 0:
+            raise ConfigError(f"train.collective_timeout_s must be > 0, got {t.collective_timeout_s!r}")
         if d.transform not in TRANSFORM_PRESETS:
             raise ConfigError(f"data.transform={d.transform!r}; choose one of {TRANSFORM_PRESETS}")
         if d.on_error not in ("raise", "skip"):
@@ -159,6 +166,39 @@ class TrainConfig:
 _SECTIONS = {f.name: f for f in fields(TrainConfig)}
 
 
+def _coerce(value: Any, kind: str, key: str) -> Any:
+    """Check (and where lossless, convert) a YAML value against a field's annotation."""
+    optional = kind.endswith("| None")
+    base = kind.replace("| None", "").strip()
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} must not be empty")
+    if base == "float":
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif base == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base == "bool":
+        if isinstance(value, bool):
+            return value
+    elif base == "str":
+        if isinstance(value, str):
+            return value
+    elif base == "list[int]":
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return value
+    else:  # pragma: no cover - a new annotation needs a case here
+        raise TypeError(f"unhandled config annotation {kind!r}")
+    raise ConfigError(f"{key}={value!r} is not a valid {kind}")
+
+
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     if cls is DistNormConfig:
         return DistNormConfig.from_dict(values, where=f"config section {where!r}")
@@ -166,7 +206,7 @@ def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"unknown key(s) {[f'{where}.{k}' for k in unknown]}; known keys in {where!r}: {sorted(known)}")
-    return cls(**values)
+    return cls(**{k: _coerce(v, str(known[k].type), f"{where}.{k}") for k, v in values.items()})
 
 
 def _merge(base: dict, over: dict) -> dict:

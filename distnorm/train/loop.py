@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -13,6 +14,7 @@ from torch import nn
 
 from distnorm import models
 from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate, expand_urls
+from distnorm.data.loaders import DataError
 from distnorm.train.checkpoint import CheckpointManager
 from distnorm.train.config import ConfigError, TrainConfig
 from distnorm.train.engines import local_world, make_engine, require_engine
@@ -57,6 +59,53 @@ def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True) -> None
             raise ConfigError(f"model.num_classes={cfg.model.num_classes} but {index} lists {classes} classes")
 
 
+def init_distributed(cfg: TrainConfig) -> None:
+    """Create the default process group with the configured timeout, before any engine.
+
+    Accelerate and DeepSpeed reuse an existing group, so every collective of the run —
+    distnorm's, DDP's, ZeRO's — fails after ``train.collective_timeout_s`` instead of the
+    backend defaults (30 min for gloo), and the start-up agreement checks run before the
+    engine's first collective.
+    """
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    _, world = local_world()
+    if world <= 1 or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available() and not cfg.train.cpu
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))
+
+
+def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
+    """Start-up mismatch detection: one fixed-size hash all-reduce per item, before the
+    engine's first collective; a mismatch is a ConfigError on every rank naming the item
+    and what each rank has."""
+    import hashlib
+
+    from distnorm.consistency import assert_same_across_ranks
+
+    def digest(path: str | None) -> str:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and Path(path).is_file() else "-"
+
+    # Data locations may legitimately differ per node (node-local copies, per-node object-store
+    # endpoints); the data itself is compared through the index files' contents.
+    config = cfg.to_dict()
+    config["data"] = {k: v for k, v in config["data"].items() if not k.endswith(("_shards", "_index"))}
+    items = {
+        "the training configuration": json.dumps(config, sort_keys=True, default=str),
+        "the world size and per-rank batch": f"world={world} per_rank={cfg.per_rank_batch(world)}",
+        "the dataset index files": f"train={digest(cfg.data.train_index)} val={digest(cfg.data.val_index)}",
+        "the model structure": "\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict().items()),
+    }
+    for what, text in items.items():
+        assert_same_across_ranks(text, what, error=ConfigError)
+
+
 class _Progress:
     """A tqdm bar on rank 0 with images/s, loss, LR and the ETA."""
 
@@ -77,13 +126,50 @@ class _Progress:
             self.bar.close()
 
 
+class _phase:
+    """Re-raise a failure inside a training phase naming the phase and the step (a dead or
+    stalled peer surfaces as an error of whichever collective was running)."""
+
+    def __init__(self, name: str, epoch: int, step: int):
+        self.name, self.epoch, self.step = name, epoch, step
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, err, tb) -> bool:
+        from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
+
+        passthrough = (NonFiniteStatisticsError, InconsistentStateError, DataError)
+        if isinstance(err, passthrough) and hasattr(err, "add_note"):  # keep the type, add where
+            err.add_note(f"(during the {self.name} of epoch {self.epoch}, step {self.step})")
+        elif isinstance(err, RuntimeError):
+            raise RuntimeError(f"{self.name} of epoch {self.epoch}, step {self.step} failed: {err}") from err
+        return False
+
+
+def _all_finite(loss: torch.Tensor, world: int) -> bool:
+    """Whether the loss is finite on every rank (one tiny all-reduce, so all ranks agree)."""
+    from distnorm import _collectives
+
+    bad = torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], dtype=torch.float64, device=loss.device)
+    if world > 1:
+        _collectives.all_reduce_sum(bad, _collectives.sync_group(None), slot="trainer|non-finite loss check")
+    return bool(bad.item() == 0)
+
+
 def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None = None) -> dict[str, Any]:
     """Run the recipe; returns the last evaluation metrics (and run facts)."""
     rank, world = local_world()
     check_setup(cfg, world, data=not dry_run)
     per_rank = cfg.per_rank_batch(world)
+    if cfg.train.debug:
+        import distnorm
+
+        distnorm.debug(True)
+    init_distributed(cfg)
     torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
     model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm="local_bn", activation=None)
+    agree_on_setup(cfg, model, world)
 
     d = cfg.data
     if dry_run:
@@ -163,23 +249,32 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
             engine.model.train()
             step_in_epoch, seen, loss_sum, window = skip, 0, 0.0, time.time()
             for images, labels in batches:
+                step_in_epoch += 1
                 images = engine.cast_inputs(images.to(engine.device, non_blocking=True))
                 labels = labels.to(engine.device, non_blocking=True)
-                loss = loss_fn(engine.model(images).float(), labels)
-                engine.backward(loss)
+                with _phase("forward", epoch, global_step + 1):
+                    loss = loss_fn(engine.model(images).float(), labels)
+                    finite = _all_finite(loss, world)
+                if not finite:
+                    if cfg.train.on_nonfinite == "stop":
+                        raise FloatingPointError(
+                            f"non-finite loss at epoch {epoch}, step {global_step + 1} (on at least one rank); "
+                            "set train.debug=true to name the first layer with non-finite statistics, or "
+                            "train.on_nonfinite=skip to skip such steps")
+                    writer.log("skipped_step", step=global_step + 1, epoch=epoch, reason="non-finite loss")
+                    continue
+                with _phase("backward", epoch, global_step + 1):
+                    engine.backward(loss)
                 if monitor is not None:
                     monitor.after_backward(global_step + 1)
                 lr = engine.lr()
-                engine.step()
+                with _phase("optimizer step", epoch, global_step + 1):
+                    engine.step()
                 global_step += 1
                 if monitor is not None:
                     for record in monitor.records(global_step):
                         writer.log("monitor", epoch=epoch, **record)
-                step_in_epoch += 1
-                loss_value = loss.item()
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss is {loss_value} at epoch {epoch}, global step {global_step}")
-                loss_sum += loss_value
+                loss_sum += loss.item()
                 seen += 1
                 if global_step % cfg.output.log_every == 0 or global_step == max_steps:
                     elapsed = max(time.time() - window, 1e-9)
