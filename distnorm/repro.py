@@ -121,10 +121,15 @@ def run_one(norm: str, activation: str, seed: int, epochs: int, train_limit: int
             "seconds": time.time() - started}
 
 
-def _cell(values: list[float]) -> str:
-    if len(values) == 1:
-        return f"{values[0]:.1f}"
-    return f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+def _diverged(run: dict[str, Any]) -> bool:
+    return any(not (v == v) or v > 1e3 for v in run["train_loss"])  # NaN or exploded
+
+
+def _cell(runs: list[dict[str, Any]]) -> str:
+    values = [r["final_accuracy"] for r in runs]
+    text = f"{values[0]:.1f}" if len(values) == 1 else f"{statistics.mean(values):.1f} ± {statistics.stdev(values):.1f}"
+    diverged = sum(_diverged(r) for r in runs)
+    return text + (f" ({diverged} of {len(runs)} diverged)" if diverged else "")
 
 
 def summarize(runs: list[dict[str, Any]], out: Path, command: str) -> str:
@@ -137,11 +142,12 @@ def summarize(runs: list[dict[str, Any]], out: Path, command: str) -> str:
         "|---|" + "---|" * len(acts),
     ]
     for norm in norms:
-        cells = [_cell([r["final_accuracy"] for r in runs if r["norm"] == norm and r["activation"] == a]) for a in acts]
+        cells = [_cell([r for r in runs if r["norm"] == norm and r["activation"] == a]) for a in acts]
         lines.append(f"| {norm} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     text = (f"Final test accuracy (%) on the 360 digits validation images, ResNet-20, {epochs} epochs, "
-            f"mean ± std over seeds {seeds}.\nCommand: `{command}`\n\n{table}\n")
+            f"mean ± std over seeds {seeds} (a diverged run — NaN or exploding training loss — counts with "
+            f"its final accuracy).\nCommand: `{command}`\n\n{table}\n")
     (out / "table.md").write_text(text)
 
     import matplotlib
@@ -152,15 +158,18 @@ def summarize(runs: list[dict[str, Any]], out: Path, command: str) -> str:
     fig, axes = plt.subplots(1, len(acts), figsize=(3.2 * len(acts), 3.0), dpi=110, sharey=True, squeeze=False)
     for ax, act in zip(axes[0], acts):
         for norm in norms:
-            curves = [r["train_loss"] for r in runs if r["norm"] == norm and r["activation"] == act]
-            mean = [statistics.mean(v for v in step if v == v) if any(v == v for v in step) else float("nan")
-                    for step in zip(*curves)]
-            ax.plot(range(1, len(mean) + 1), mean, label=norm, marker="o", markersize=2)
+            # The median over seeds: one diverged seed must not hide the others.
+            curves = [[v if v == v else float("inf") for v in r["train_loss"]]
+                      for r in runs if r["norm"] == norm and r["activation"] == act]
+            median = [statistics.median(step) for step in zip(*curves)]
+            ax.plot(range(1, len(median) + 1), median, label=norm, marker="o", markersize=2)
         ax.set_title(act)
         ax.set_xlabel("epoch")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("training loss (mean over seeds)")
+    axes[0][0].set_ylabel("training loss (median over seeds)")
+    for ax in axes[0]:
+        ax.set_ylim(top=5.0)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "loss_curves.png")
@@ -179,7 +188,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--activations", nargs="*", default=list(ACTIVATIONS), choices=ACTIVATIONS)
     parser.add_argument("--quick", action="store_true", help="1 seed, relu and tanh, 1 epoch on 256 images")
     parser.add_argument("--publish", default=None, help="also copy table.md and loss_curves.png into this directory")
+    parser.add_argument("--from-results", default=None, help="re-summarize an earlier results.json instead of training")
     args = parser.parse_args(argv)
+    if args.from_results:
+        saved = json.loads(Path(args.from_results).read_text())
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if Path(args.from_results).resolve() != (out / "results.json").resolve():
+            (out / "results.json").write_text(json.dumps(saved, indent=1))
+        print(summarize(saved["runs"], out, saved["command"]))
+        _publish(out, args.publish)
+        return 0
     seeds, epochs, acts, limit = args.seeds, args.epochs, args.activations, None
     if args.quick:
         seeds, epochs, acts, limit = 1, 1, ["relu", "tanh"], 256
@@ -198,13 +217,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                  indent=1))
     print(summarize(runs, out, command))
     print(f"{len(runs)} runs in {time.time() - started:.0f}s -> {out}/results.json, table.md, loss_curves.png")
-    if args.publish:
-        dest = Path(args.publish)
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out / "table.md", dest / "repro_digits_table.md")
-        shutil.copy(out / "loss_curves.png", dest / "repro_digits_loss_curves.png")
-        shutil.copy(out / "results.json", dest / "repro_digits_results.json")
+    _publish(out, args.publish)
     return 0
+
+
+def _publish(out: Path, dest: str | None) -> None:
+    if dest:
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        for name, target in (("table.md", "repro_digits_table.md"), ("loss_curves.png", "repro_digits_loss_curves.png"),
+                             ("results.json", "repro_digits_results.json")):
+            shutil.copy(out / name, Path(dest) / target)
 
 
 if __name__ == "__main__":
