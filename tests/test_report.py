@@ -51,6 +51,11 @@ def test_repro_quick_writes_table_and_figures(tmp_path):
     assert {(r["norm"], r["activation"]) for r in result["runs"]} == {(n, a) for n in ("bn", "cbn") for a in ("relu", "tanh")}
     assert all(0 <= r["final_accuracy"] <= 100 and len(r["train_loss"]) == 1 for r in result["runs"])
     assert "| cbn |" in (tmp_path / "table.md").read_text() and (tmp_path / "loss_curves.png").stat().st_size > 0
+    again = subprocess.run([sys.executable, "-m", "distnorm.repro", "digits", "--from-results", str(tmp_path / "results.json"),
+                            "--out", str(tmp_path / "again"), "--publish", str(tmp_path / "pub")],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (tmp_path / "pub" / "repro_digits_table.md").read_text() == (tmp_path / "table.md").read_text()
 
 
 def test_report_overlays_runs_and_survives_a_truncated_line(tmp_path):
