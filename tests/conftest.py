@@ -11,3 +11,11 @@ def _isolate():
     torch.manual_seed(0)
     yield
     distnorm.debug(previous)
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory):
+    """The demo digits written as shards once per test session."""
+    from tests.helpers import write_digits_shards
+
+    return write_digits_shards(tmp_path_factory.mktemp("digits"))

@@ -4,7 +4,6 @@ launched with torchrun: 2 ranks on split batches must match 1 rank on the whole 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ import distnorm
 
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
+
+from tests.helpers import free_port
 
 SCRIPT = Path(__file__).parent / "engines" / "small_train.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -32,18 +33,13 @@ def _build_deepspeed_cpu_ops():
                    check=True, capture_output=True, timeout=600)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def launch(nproc: int, out: Path, *args: str, expect: int = 0, timeout: int = 300) -> list[dict]:
     """Run tests/engines/small_train.py under torchrun; return each rank's record."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "ACCELERATE_USE_CPU": "true"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            str(SCRIPT), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != expect and expect == 0:
@@ -194,7 +190,7 @@ def test_missing_optional_dependency_message(monkeypatch):
 def test_examples_run_under_torchrun(tmp_path, script, extra):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(REPO / "examples" / script), *extra, "--distnorm", "cbn",
+           f"--master_port={free_port()}", str(REPO / "examples" / script), *extra, "--distnorm", "cbn",
            "--distnorm-bnp", "--max-steps", "4", "--output-dir", str(tmp_path / "out")]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,34 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from distnorm import data as D
+
+from tests.helpers import digits_overrides, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("digits")
-    D.write_shards(D.DigitsSource("train"), str(root / "digits-train"), maxcount=256, progress=False)
-    D.write_shards(D.DigitsSource("val"), str(root / "digits-val"), maxcount=128, progress=False)
-    return root
 
 
 def _overrides(root: Path, run: Path, *extra: str) -> list[str]:
-    return [f"data.train_shards={root}/digits-train-{{000000..000005}}.tar", f"data.train_index={root}/digits-train-index.json",
-            f"data.val_shards={root}/digits-val-{{000000..000002}}.tar", f"data.val_index={root}/digits-val-index.json",
-            f"output.dir={run}", "output.progress=false", "output.log_every=1", *extra]
+    return [*digits_overrides(root), f"output.dir={run}", "output.progress=false", "output.log_every=1", *extra]
 
 
 def _start(world: int, args_of_rank, tmp: Path) -> list[subprocess.Popen]:
-    port = _port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),

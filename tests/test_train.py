@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,36 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from distnorm import data as D
 from distnorm.train.checkpoint import verify_checkpoint
 from distnorm.train.config import ConfigError, load_config
+
+from tests.helpers import digits_overrides, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
 IMAGENET_CONFIGS = sorted((REPO / "configs" / "imagenet").glob("*.yaml"))
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("digits")
-    D.write_shards(D.DigitsSource("train"), str(root / "digits-train"), maxcount=256, progress=False)
-    D.write_shards(D.DigitsSource("val"), str(root / "digits-val"), maxcount=128, progress=False)
-    return root
-
-
-def _data_overrides(root: Path) -> list[str]:
-    return [f"data.train_shards={root}/digits-train-{{000000..000005}}.tar", f"data.train_index={root}/digits-train-index.json",
-            f"data.val_shards={root}/digits-val-{{000000..000002}}.tar", f"data.val_index={root}/digits-val-index.json"]
+_data_overrides = digits_overrides
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(_port()), **extra}
+    return {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()), **extra}
 
 
 def _torchrun_sh(*args: str, env: dict, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -102,7 +88,7 @@ def test_two_nodes_on_loopback_equal_one_node(tmp_path, digits):
 def test_dry_run_every_imagenet_config(config):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     if "deepspeed" in config.stem:  # one process, as a launcher would set it up
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-m", "distnorm.train", "--config", str(config), "--dry-run",
                            "--dry-run-batch", "2", "train.cpu=true", "output.dir=/tmp/distnorm-dry-run"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

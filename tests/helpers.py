@@ -1,0 +1,28 @@
+"""Small helpers shared by the end-to-end tests."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_digits_shards(root: Path) -> Path:
+    """The demo digits as shards in ``root`` (6 train shards, 3 val shards)."""
+    from distnorm import data as D
+
+    D.write_shards(D.DigitsSource("train"), str(root / "digits-train"), maxcount=256, progress=False)
+    D.write_shards(D.DigitsSource("val"), str(root / "digits-val"), maxcount=128, progress=False)
+    return root
+
+
+def digits_overrides(root: Path) -> list[str]:
+    """``distnorm-train`` overrides pointing the demo config at shards in ``root``."""
+    return [f"data.train_shards={root}/digits-train-{{000000..000005}}.tar", f"data.train_index={root}/digits-train-index.json",
+            f"data.val_shards={root}/digits-val-{{000000..000002}}.tar", f"data.val_index={root}/digits-val-index.json"]
