@@ -24,25 +24,21 @@ def _read_shards(paths) -> list[dict]:
     return list(wds.DataPipeline(wds.SimpleShardList([str(p) for p in paths]), wds.tarfile_to_samples()))
 
 
-def _image_tree(root: Path) -> dict[str, tuple[bytes, int]]:
+def _image_tree(root: Path) -> None:
     """3 classes of real images: JPEGs (one with dots in its name) and a PNG."""
-    expected = {}
     rng = np.random.default_rng(0)
-    for label, cls in enumerate(["n001", "n002", "n003"]):
+    for cls in ("n001", "n002", "n003"):
         (root / cls).mkdir(parents=True)
         for i in range(4):
             img = Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8))
             name = f"img.{i}.v2.JPEG" if i == 1 else f"{cls}_{i}.JPEG"
             path = root / cls / name
             img.save(path, format="JPEG", quality=90)
-            expected[path.name] = (path.read_bytes(), label)
         Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)).save(root / cls / "extra.png")
-        expected["extra.png" + cls] = (None, label)
-    return expected
 
 
 def test_imagefolder_round_trip_is_byte_identical(tmp_path):
-    expected = _image_tree(tmp_path / "train")
+    _image_tree(tmp_path / "train")
     source = D.ImageFolderSource(str(tmp_path / "train"))
     index = D.write_shards(source, str(tmp_path / "out" / "train"), maxcount=4, workers=2, progress=False)
     assert index.total == 15 and [s.count for s in index.shards] == [4, 4, 4, 3]

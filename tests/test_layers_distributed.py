@@ -63,7 +63,6 @@ def _equivalence_worker(rank, world, kind, splits, shape_tail, lrs, sub_groups=N
     offsets = [sum(splits[:r]) for r in range(world + 1)]
     lo = sum(splits[r] for r in members if r < rank)
     hi = lo + splits[rank]
-    n_group = sum(splits[r] for r in members)
 
     module = _make(kind, group).to(dev)
     gamma = torch.tensor([0.7, 1.3, 1.0], dtype=torch.float64)

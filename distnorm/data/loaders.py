@@ -30,7 +30,6 @@ import hashlib
 import io
 import logging
 import math
-import random
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence

@@ -147,11 +147,11 @@ class _phase:
         return False
 
 
-def _all_finite(loss: torch.Tensor, world: int) -> bool:
+def _all_finite(loss_value: float, world: int, device: torch.device) -> bool:
     """Whether the loss is finite on every rank (one tiny all-reduce, so all ranks agree)."""
     from distnorm import _collectives
 
-    bad = torch.tensor([0.0 if math.isfinite(loss.item()) else 1.0], dtype=torch.float64, device=loss.device)
+    bad = torch.tensor([0.0 if math.isfinite(loss_value) else 1.0], dtype=torch.float64, device=device)
     if world > 1:
         _collectives.all_reduce_sum(bad, _collectives.sync_group(None), slot="trainer|non-finite loss check")
     return bool(bad.item() == 0)
@@ -254,7 +254,8 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
                 labels = labels.to(engine.device, non_blocking=True)
                 with _phase("forward", epoch, global_step + 1):
                     loss = loss_fn(engine.model(images).float(), labels)
-                    finite = _all_finite(loss, world)
+                    loss_value = loss.item()  # the step's one host sync (logging and the NaN check)
+                    finite = _all_finite(loss_value, world, loss.device)
                 if not finite:
                     if cfg.train.on_nonfinite == "stop":
                         raise FloatingPointError(
@@ -274,7 +275,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
                 if monitor is not None:
                     for record in monitor.records(global_step):
                         writer.log("monitor", epoch=epoch, **record)
-                loss_sum += loss.item()
+                loss_sum += loss_value
                 seen += 1
                 if global_step % cfg.output.log_every == 0 or global_step == max_steps:
                     elapsed = max(time.time() - window, 1e-9)
