@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test test-gpu demo bench clean
 
 install: $(STAMP)
 
@@ -18,6 +18,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a machine with CUDA (2+ GPUs for the NCCL tests): the CUDA equivalence, compile and
+# checkpointing tests, the CPU suite's kernel-contract and launch-cost tests, and the layer and
+# step benchmarks on the GPU. Skips (does not fake) what the machine lacks.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -rs tests/test_cuda.py tests/test_gpu_paths.py $(PYTEST_ARGS)
+	$(PY) bench/layers.py --device cuda --json bench/results/layers-cuda.json
+	$(PY) bench/step.py --json bench/results/step-cuda.json
 
 # The quick start: digits shards, a 2-process CPU run of configs/demo/digits.yaml through
 # launch/torchrun.sh, then plots. A few minutes on 2 cores.

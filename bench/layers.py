@@ -6,7 +6,11 @@ Measures, for each input shape, the median time of one training forward+backward
 ``CBN`` (AMAT with history, eta = 0.9), ``POPNorm``, ``SyncBatchNorm`` (one process) and a
 naive autograd CBN (the float64 test reference of SPEC §1, run in float32) against
 ``torch.nn.BatchNorm2d``; the bytes each saves for backward; and, in a real 2-rank gloo
-run, how many collectives each layer issues per step and how many bytes they carry.
+run, how many collectives each layer issues per step and how many bytes they carry; and the
+ATen ops each layer dispatches per training step (``tests/dispatch.OpCounter``): on a GPU
+each is a kernel launch, which for small per-channel work costs more than the work. The
+counts, local and on 2 ranks, must stay within the budgets ``tests/test_gpu_paths.py``
+enforces.
 
 Reported ratios (time of the layer / time of BatchNorm2d; lower is better) use the first
 (largest) shape; ``naive_vs_cbn`` is how many times faster CBN is than the naive version.
@@ -26,6 +30,7 @@ from torch import nn
 from _common import interleaved_medians, machine, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
 
 import distnorm
+from tests.dispatch import OpCounter
 from tests.reference import CBNState, cbn_train
 
 SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14)]
@@ -75,6 +80,14 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
+def dispatched_ops(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, int]:
+    """ATen ops (kernel launches on a GPU) and host syncs of one training forward + backward."""
+    x = x.detach().requires_grad_()
+    with OpCounter() as counter:
+        layer(x).backward(grad)
+    return {"ops": len(counter), "host_syncs": counter.host_syncs}
+
+
 def time_layers(shape, device, repeats) -> dict:
     layers = make_layers(shape[1], device)
     x = (torch.randn(*shape, device=device) * 2 + 0.5).requires_grad_()
@@ -96,6 +109,8 @@ def time_layers(shape, device, repeats) -> dict:
         "ratio_vs_batchnorm2d": {k: round(v / base, 4) for k, v in medians.items()},
         "naive_vs_cbn": round(medians["naive_cbn"] / medians["cbn"], 3),
         "saved_for_backward_bytes": {name: saved_bytes(layer, x) for name, layer in layers.items()},
+        "dispatched_ops_per_step": {name: dispatched_ops(layer, x, grad) for name, layer in layers.items()
+                                    if name != "naive_cbn"},
         "input_bytes": x.numel() * x.element_size(),
     }
 
@@ -120,13 +135,15 @@ def _count_collectives(rank: int, world: int, store: str, channels: int, out) ->
                         "syncbn": distnorm.SyncBatchNorm(channels)}.items():
         distnorm.set_lr(layer, LR)
         x = torch.randn(4, channels, 8, 8, requires_grad=True)
+        layer(x.detach())  # initialise AMAT: the counted step takes the history path
         calls.clear()
         y = layer(x)
         forward = list(calls)
         calls.clear()
         y.sum().backward()
         result[name] = {"forward": len(forward), "backward": len(calls),
-                        "forward_bytes": sum(forward), "backward_bytes": sum(calls)}
+                        "forward_bytes": sum(forward), "backward_bytes": sum(calls),
+                        "dispatched_ops": dispatched_ops(layer, x, torch.ones_like(x))}
     dist.all_reduce = original
     if rank == 0:
         out.put(result)
@@ -179,6 +196,7 @@ def main(argv=None) -> dict:
         print(f"shape {tuple(entry['shape'])}: median fwd+bwd ms {entry['median_ms']}")
         print(f"  ratio vs BatchNorm2d {entry['ratio_vs_batchnorm2d']}; CBN is {entry['naive_vs_cbn']}x faster than naive")
         print(f"  saved for backward (input {entry['input_bytes']} B): {entry['saved_for_backward_bytes']}")
+        print(f"  dispatched ATen ops per step: {entry['dispatched_ops_per_step']}")
     print(f"collectives per layer per step, 2 ranks: {payload['collectives_2_ranks']['per_layer_per_step']}")
     print(f"ratios: {payload['ratios']}")
     write_json(args.json, payload)

@@ -1,16 +1,23 @@
-"""One data-parallel training step: distnorm's layers and BNP against local BatchNorm, DDP.
+"""One data-parallel training step: distnorm's layers and BNP against local BatchNorm, a
+synchronized peer and the collective floor, under DDP.
 
     python bench/step.py --json bench/results/step-cpu.json [--quick] [--world-size 2]
 
 Two ranks (gloo on CPU, NCCL with one GPU per rank when CUDA is available) each build
 ResNet-18 and the CIFAR ResNet-20 in five variants — PyTorch's local ``nn.BatchNorm2d``
-(the baseline), synced CBN, synced POP-Norm, distnorm's SyncBatchNorm, and local BN with
-BNP attached — wrap them in ``DistributedDataParallel`` (the same keyword arguments for
+(the baseline), synced CBN, synced POP-Norm, distnorm's SyncBatchNorm, detectron2's
+``NaiveSyncBatchNorm`` design (``bench/peers.py``: the synchronized BN a CPU user would pick,
+same collective count as ours) and local BN with BNP attached — wrap them in ``DistributedDataParallel`` (the same keyword arguments for
 all: ``distnorm.ddp_kwargs()``, no per-forward buffer broadcast) and time one SGD step
 (forward, backward with DDP's gradient all-reduce, optimizer step), interleaved, median of
 repeats on rank 0. It also counts distnorm's collectives per step (DDP's own bucketed
 gradient all-reduces run in C++ and are not counted) and measures training memory
 (``_common.training_memory_bytes``).
+
+The **collective floor** of a variant is what its step would cost if synchronizing were free
+except for the collectives themselves: the local-BN step plus (collectives per step) x (the
+measured latency of one small all-reduce). ``step_<variant>_vs_floor`` near 1 means the
+layers add nothing but their unavoidable collectives.
 
 ``ratios.step_<variant>_vs_local_bn`` are ResNet-18; ``..._resnet20`` the CIFAR model.
 """
@@ -30,11 +37,13 @@ import torch
 from torch import nn
 
 from _common import machine, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
+from peers import naive_sync  # noqa: I001
 
 import distnorm
 from distnorm import models
 
-VARIANTS = ("local_bn", "cbn", "popnorm", "syncbn", "bnp")
+VARIANTS = ("local_bn", "cbn", "popnorm", "syncbn", "naive_syncbn", "bnp")
+SYNCED = ("cbn", "popnorm", "syncbn", "naive_syncbn")
 # name: (input side, per-rank batch, quick side, quick batch)
 MODELS = {"resnet18": (128, 8, 64, 2), "resnet20": (32, 64, 32, 8)}
 
@@ -43,6 +52,8 @@ def build(name: str, variant: str) -> nn.Module:
     torch.manual_seed(0)
     norm = {"cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn"}.get(variant, "local_bn")
     model = models.create(name, num_classes=10, norm=norm, activation=None)
+    if variant == "naive_syncbn":
+        naive_sync(model)
     if variant == "bnp":
         distnorm.bnp.attach(model)
     return model
@@ -65,6 +76,18 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
     def spy(tensor, *args, **kwargs):  # counts distnorm's collectives, runs the real one
         calls.append(tensor.numel() * tensor.element_size())
         return real_all_reduce(tensor, *args, **kwargs)
+
+    # The floor under every synchronized layer: latency of one small all-reduce here.
+    probe = torch.zeros(129, dtype=torch.float64, device=device)
+    for _ in range(10):
+        dist.all_reduce(probe)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(probe)
+    if cuda:
+        torch.cuda.synchronize(device)
+    latency_ms = (time.perf_counter() - start) / 200 * 1e3
 
     results = {}
     for name, (side, batch, qside, qbatch) in MODELS.items():
@@ -107,7 +130,10 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
                     torch.cuda.synchronize(device)
                 times[variant].append(time.perf_counter() - start)
         medians = {v: statistics.median(t) for v, t in times.items()}
+        floor = {v: medians["local_bn"] + counts[v]["collectives"] * latency_ms / 1e3 for v in SYNCED}
         results[name] = {
+            "collective_floor_ms": {v: round(f * 1e3, 3) for v, f in floor.items()},
+            "ratio_vs_floor": {v: round(medians[v] / f, 4) for v, f in floor.items()},
             "input_per_rank": [batch, 3, side, side],
             "median_step_ms": {v: round(t * 1e3, 3) for v, t in medians.items()},
             "ratio_vs_local_bn": {v: round(t / medians["local_bn"], 4) for v, t in medians.items()},
@@ -115,17 +141,6 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
             "memory_bytes": mem,
             "memory_ratio_vs_local_bn": {v: round(m / mem["local_bn"], 4) for v, m in mem.items()},
         }
-    # The floor under every synchronized layer: latency of one small all-reduce here.
-    probe = torch.zeros(129, dtype=torch.float64, device=device)
-    for _ in range(10):
-        dist.all_reduce(probe)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(200):
-        dist.all_reduce(probe)
-    if cuda:
-        torch.cuda.synchronize(device)
-    latency_ms = (time.perf_counter() - start) / 200 * 1e3
     if rank == 0:
         out.put({"results": results, "device": str(device), "backend": dist.get_backend(), "latency_ms": latency_ms})
     dist.destroy_process_group()
@@ -152,14 +167,20 @@ def main(argv=None) -> dict:
     results = got["results"]
     ratios = {}
     for name, suffix in (("resnet18", ""), ("resnet20", "_resnet20")):
+        r = results[name]
         for variant in VARIANTS[1:]:
-            ratios[f"step_{variant}_vs_local_bn{suffix}"] = results[name]["ratio_vs_local_bn"][variant]
+            ratios[f"step_{variant}_vs_local_bn{suffix}"] = r["ratio_vs_local_bn"][variant]
+        for variant in ("cbn", "syncbn"):
+            ratios[f"step_{variant}_vs_naive_syncbn{suffix}"] = round(
+                r["median_step_ms"][variant] / r["median_step_ms"]["naive_syncbn"], 4)
+            ratios[f"step_{variant}_vs_floor{suffix}"] = r["ratio_vs_floor"][variant]
     payload = {"benchmark": "step", "machine": machine(), "device": got["device"], "backend": got["backend"],
                "world_size": args.world_size, "repeats": repeats,
                "small_all_reduce_latency_ms": round(got["latency_ms"], 3), "models": results, "ratios": ratios}
     for name, r in results.items():
         print(f"{name} {tuple(r['input_per_rank'])} per rank: step ms {r['median_step_ms']}")
         print(f"  ratio vs local BN {r['ratio_vs_local_bn']}; memory ratio {r['memory_ratio_vs_local_bn']}")
+        print(f"  ratio vs collective floor {r['ratio_vs_floor']}")
         print(f"  distnorm collectives per step {r['distnorm_collectives_per_step']}")
     print(f"one all-reduce of 129 float64 values: {got['latency_ms']:.3f} ms")
     print(f"ratios: {json.dumps(ratios)}")

@@ -11,6 +11,7 @@ Quick start::
 """
 
 from distnorm import bnp, functional
+from distnorm._collectives import norm_group
 from distnorm._debug import debug
 from distnorm.config import DistNormConfig, add_arguments
 from distnorm.consistency import check_consistency
@@ -42,6 +43,7 @@ __all__ = [
     "DistNormPlugin",
     "add_arguments",
     "ddp_kwargs",
+    "norm_group",
     "debug",
     "functional",
     "bnp",

@@ -1,21 +1,27 @@
 """Every collective distnorm issues lives in this module.
 
 Layers never call ``torch.distributed`` themselves: they ask here for the group to
-synchronise over (``None`` means "run locally") and for the packed reductions. Keeping the
+synchronize over (``None`` means "run locally") and for the packed reductions. Keeping the
 collectives in one place makes the per-step communication easy to audit:
 
-* forward of a synchronized layer: :func:`global_moments` — ONE all-reduce of ``2C + 1``
-  float64 values (per-channel sum, per-channel sum of squares, the sample count);
-* backward: :func:`all_reduce_sum` — ONE all-reduce of the ``2C`` per-channel gradient sums;
-* BNP (``distnorm.bnp``) reuses :func:`global_moments` on each layer's input.
+* forward of a synchronized layer: :func:`global_moments` — ONE all-reduce of a ``(3, C)``
+  float64 tensor (per-channel sum, sum of squares and sample count);
+* backward: :func:`all_reduce_sum` — ONE all-reduce of the ``(2, C)`` per-channel gradient
+  sums;
+* BNP (``distnorm.bnp``) reuses :func:`global_moments` on each layer's input;
+* start-up and consistency checks: :func:`all_agree` (one fixed-size MAX all-reduce) and,
+  only once something disagrees, :func:`gather_tensors` / :func:`gather_texts` to say who.
 
-Everything works with gloo on CPU tensors and with NCCL on CUDA tensors; nothing here
-moves data to the host (no ``.item()``), except in debug mode.
+Every collective runs on tensors of the group's device (:func:`group_device`: the CUDA
+device of this rank for NCCL, the CPU for gloo) and none goes through the pickling
+``*_object`` collectives, which on NCCL move data through the host. Nothing here reads a
+tensor on the host (no ``.item()``) except in debug mode and on error paths.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import NamedTuple
 
 import torch
@@ -27,11 +33,18 @@ from distnorm.errors import CollectiveFailedError, CollectiveMismatchError, NonF
 __all__ = [
     "Moments",
     "accumulate_dtype",
+    "all_agree",
     "all_reduce_sum",
     "broadcast_from_first",
+    "constant",
+    "gather_tensors",
+    "gather_texts",
     "global_moments",
+    "group_device",
     "group_ranks",
     "group_size",
+    "local_moments",
+    "norm_group",
     "stable_hash",
     "sync_group",
 ]
@@ -40,17 +53,22 @@ ProcessGroup = dist.ProcessGroup if dist.is_available() else object
 
 
 class Moments(NamedTuple):
-    """Per-channel statistics of a (possibly distributed) batch, all float64.
+    """Per-channel statistics of a (possibly distributed) batch, in the accumulation dtype.
 
     Attributes:
-        count: number of values per channel over every rank (0-dim tensor).
+        count: values per channel over every rank — a Python ``int`` when it is known on
+            the host (local statistics), else a ``(C,)`` tensor (the same count repeated).
         mean: per-channel mean.
         var: per-channel biased variance ``mean((x - mean)**2)``.
+        valid: whether the global batch has more than one value per channel — ``True``
+            when the host knows it (this rank alone has more than one), else a ``(C,)``
+            bool tensor computed from the all-reduced count (identical on every rank).
     """
 
-    count: torch.Tensor
+    count: int | torch.Tensor
     mean: torch.Tensor
     var: torch.Tensor
+    valid: bool | torch.Tensor
 
 
 def is_distributed() -> bool:
@@ -91,6 +109,59 @@ def group_ranks(process_group: ProcessGroup | None) -> list[int]:
     return [dist.get_global_rank(process_group, r) for r in range(dist.get_world_size(process_group))]
 
 
+def group_device(process_group: ProcessGroup | None = None) -> torch.device:
+    """The device collectives of ``process_group`` must use.
+
+    gloo (and any other CPU backend): the CPU. NCCL: this rank's GPU — the device the group
+    was bound to (``init_process_group(device_id=...)``), else the launcher's
+    ``LOCAL_RANK`` (torchrun, the DeepSpeed launcher and Accelerate set it; a process that
+    never called ``torch.cuda.set_device`` would otherwise put every rank of a node on
+    GPU 0), else the current CUDA device.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None:
+        return torch.device(bound)
+    return torch.device("cuda", cuda_index_for_rank(os.environ.get("LOCAL_RANK"), torch.cuda.device_count(),
+                                                     torch.cuda.current_device()))
+
+
+def cuda_index_for_rank(local_rank: str | None, device_count: int, current: int) -> int:
+    """The CUDA device a process should use: ``LOCAL_RANK`` modulo the visible devices when
+    the launcher set it, else the current device."""
+    if local_rank is None or device_count <= 0:
+        return current
+    try:
+        return int(local_rank) % device_count
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={local_rank!r} is not an integer") from None
+
+
+_NORM_GROUPS: dict[tuple[int, ...], ProcessGroup] = {}
+
+
+def norm_group(process_group: ProcessGroup | None = None) -> ProcessGroup | None:
+    """A communicator of its own for the normalization layers, with the ranks of
+    ``process_group`` (default: every rank); ``None`` when not distributed.
+
+    Collective: every rank of the default group must call it, in the same order (it is
+    built with ``new_group``). One group per rank set is created and then reused.
+
+    With NCCL each communicator has its own stream, so the layers' small backward
+    all-reduces, which the input gradient waits for, do not queue behind the gradient
+    buckets DDP / ZeRO launch on their communicator. It costs one more NCCL communicator
+    (GPU memory for its buffers, a few seconds at start-up).
+    """
+    if not is_distributed():
+        return None
+    ranks = tuple(group_ranks(process_group))
+    if ranks not in _NORM_GROUPS:
+        _NORM_GROUPS[ranks] = dist.new_group(list(ranks))
+    return _NORM_GROUPS[ranks]
+
+
 def accumulate_dtype(x: torch.Tensor) -> torch.dtype:
     """dtype in which per-channel statistics are accumulated: float64 for float64, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -101,26 +172,78 @@ def stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
+_CONSTANTS: dict[tuple[float, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def constant(value: float, channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached, read-only ``(channels,)`` tensor filled with ``value`` (no op per step)."""
+    key = (value, channels, dtype, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.full((channels,), value, dtype=dtype, device=device)
+    return t
+
+
+# ----------------------------------------------------------------------- agreement
+def all_agree(values: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Element-wise: does every rank hold the same int64 ``values``? One MAX all-reduce of
+    ``[v, ~v]`` of fixed size: all ranks agree iff both maxima come back unchanged (the
+    maximum of ``~v`` is ``~min(v)``). Returns a bool tensor, identical on every rank."""
+    probe = torch.cat([values, torch.bitwise_not(values)])
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    k = values.numel()
+    return (probe[:k] == values) & (probe[k:] == torch.bitwise_not(values))
+
+
+def gather_tensors(tensor: torch.Tensor, group: ProcessGroup) -> list[torch.Tensor]:
+    """Every rank's copy of ``tensor`` (same shape and dtype on every rank), tensor path."""
+    device = group_device(group)
+    local = tensor.detach().to(device).contiguous()
+    flat = local.reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    out = [torch.empty_like(flat) for _ in range(group_size(group))]
+    dist.all_gather(out, flat, group=group)
+    return [o.to(tensor.dtype).reshape(tensor.shape).cpu() for o in out]
+
+
+def gather_texts(text: str, group: ProcessGroup, limit: int = 4096) -> list[str]:
+    """Every rank's ``text`` (UTF-8, cut at ``limit`` bytes) through fixed-size byte
+    tensors: one MAX all-reduce of the length, then one all-gather."""
+    device = group_device(group)
+    data = text.encode()[:limit]
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+    size = int(length.item())
+    buf = torch.zeros(size + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    buf[8 : 8 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    parts = gather_tensors(buf.to(device), group)
+    texts = []
+    for p in parts:
+        raw = bytes(p.tolist())
+        n = int.from_bytes(raw[:8], "little")
+        texts.append(raw[8 : 8 + n].decode(errors="replace"))
+    return texts
+
+
+# ------------------------------------------------------------------ reductions
 def _check_slot(group: ProcessGroup, slot: str, device: torch.device) -> None:
     """Debug mode: verify that every rank is entering the same collective slot.
 
-    One MAX all-reduce of ``[h, ~h]``: all ranks agree iff the maximum of ``h`` and the
-    maximum of ``~h`` (i.e. ``~min(h)``) both come back unchanged. The tensor has a fixed
-    size, so this check itself cannot deadlock on mismatched shapes.
+    One fixed-size MAX all-reduce of a fingerprint (:func:`all_agree`), so this check itself
+    cannot deadlock on mismatched shapes; the slots are gathered only on a mismatch.
     """
-    h = stable_hash(slot)
-    probe = torch.tensor([h, ~h], dtype=torch.int64, device=device)
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-    if int(probe[0]) != h or int(probe[1]) != ~h:
-        slots: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(slots, slot, group=group)
-        listing = "\n".join(f"  rank {r}: {s}" for r, s in zip(group_ranks(group), slots))
-        raise CollectiveMismatchError(
-            "ranks entered the same distnorm collective from different places "
-            "(layer | phase | channels | dtype):\n"
-            f"{listing}\n"
-            "Every rank must run the same model on inputs of the same dtype and channel count."
-        )
+    h = torch.tensor([stable_hash(slot)], dtype=torch.int64, device=device)
+    if bool(all_agree(h, group).all()):
+        return
+    listing = "\n".join(f"  rank {r}: {s}" for r, s in zip(group_ranks(group), gather_texts(slot, group)))
+    raise CollectiveMismatchError(
+        "ranks entered the same distnorm collective from different places "
+        "(layer | phase | channels | dtype):\n"
+        f"{listing}\n"
+        "Every rank must run the same model on inputs of the same dtype and channel count."
+    )
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: str = "") -> torch.Tensor:
@@ -141,77 +264,95 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: st
     return tensor
 
 
-def local_mean_var(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and biased variance of a non-empty ``(N, C, *)`` tensor.
+def local_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance of a non-empty ``(N, C, *)`` tensor, in the
+    accumulation dtype.
 
-    Uses ATen's single-pass batch-norm statistics kernel (Welford on CPU and CUDA, any
-    memory format). Passing float32 scratch "running" buffers with momentum 0 selects the
-    mixed-precision kernel, so fp16/bf16 inputs yield float32 statistics.
+    ATen's single-pass batch-norm statistics kernel (Welford, any memory format, CPU and
+    CUDA). Kernel contract: the CUDA kernel returns accumulation-dtype statistics for any
+    input; the CPU kernel does so for fp16/bf16 inputs only when given float32 "running"
+    buffers, which select its mixed-precision path. Both devices therefore get float32
+    scratch buffers (momentum 0: their values are never read back) for fp16/bf16 inputs,
+    and none for float32/float64, where both return the input dtype already.
     """
     acc = accumulate_dtype(x)
-    channels = x.shape[1]
-    scratch_mean = torch.zeros(channels, dtype=acc, device=x.device)
-    scratch_var = torch.ones(channels, dtype=acc, device=x.device)
-    mean, var = torch.ops.aten.batch_norm_update_stats(x, scratch_mean, scratch_var, 0.0)
-    return mean.to(acc), var.to(acc)
+    if x.dtype == acc:
+        mean, var = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
+    else:
+        channels = x.shape[1]
+        scratch = _scratch(channels, x.device)
+        mean, var = torch.ops.aten.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
+    return mean, var
 
 
-def global_moments(
-    x: torch.Tensor,
-    group: ProcessGroup | None,
-    *,
-    layer: str = "",
-    training: bool = True,
-) -> Moments:
+_SCRATCH: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (channels, device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.zeros(channels, device=device), torch.ones(channels, device=device))
+    return _SCRATCH[key]
+
+
+def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = "",
+                   training: bool = True) -> Moments:
     """Per-channel count, mean and biased variance of ``x`` over every rank of ``group``.
 
-    One all-reduce of ``[n_r * m_r, n_r * (v_r + m_r**2), n_r]`` in float64, where ``m_r``,
-    ``v_r`` are this rank's Welford statistics. The global variance is recovered as
-    ``sum(n_r (v_r + m_r^2)) / n - mean^2``; in float64 this cancellation costs about
-    ``1e-16 * (mean/std)^2`` relative, i.e. nothing for any realistic activation (the
-    float32 rounding of ``x`` itself dominates). Unequal batch sizes are weighted exactly
-    by count; an empty rank contributes zeros and still joins the collective.
+    Local (``group is None``): the Welford statistics of :func:`local_moments`, count known
+    on the host. Synchronized: ONE all-reduce of ``n_r * [m_r, v_r + m_r**2, 1]`` in
+    float64, ``m_r``, ``v_r`` being this rank's Welford statistics, then
+    ``var = sum(n_r (v_r + m_r^2)) / n - mean^2``. In float64 this cancellation costs about
+    ``1e-16 * (mean/std)^2`` relative — nothing next to the float32 rounding of ``x`` — and
+    the count rides along as a third row (repeated per channel, so every later step is
+    element-wise). Unequal batch sizes are weighted exactly; an empty rank contributes
+    zeros and still joins the collective.
 
-    The result is identical on every rank (it is computed from the same reduced tensor),
-    which is what keeps every buffer derived from it bit-identical without broadcasts.
+    The synchronized result is identical on every rank (computed from the same reduced
+    tensor), which is what keeps every buffer derived from it bit-identical without
+    broadcasts. Ranks that hold more than one value per channel know the global batch is
+    valid without reading the count; the others get the mask as a tensor.
     """
     channels = x.shape[1]
+    acc = accumulate_dtype(x)
     local_count = x.numel() // channels if channels else 0
+    if group is None:
+        mean, var = local_moments(x)
+        if _debug.is_debug():
+            _check_statistics(torch.stack([mean.double(), var.double()]), layer, training, float(local_count))
+        return Moments(local_count, mean, var, local_count > 1)
+
     if local_count > 0:
-        mean, var = local_mean_var(x)
-        mean = mean.double()
-        packed = torch.cat(
-            [
-                mean * local_count,
-                torch.addcmul(var.double(), mean, mean) * local_count,
-                torch.full((1,), float(local_count), dtype=torch.float64, device=x.device),
-            ]
-        )
+        mean, var = local_moments(x)
+        m64 = mean.double()
+        packed = torch.stack([m64, torch.addcmul(var, m64, m64), constant(1.0, channels, torch.float64, x.device)])
+        packed.mul_(local_count)
     else:
-        packed = torch.zeros(2 * channels + 1, dtype=torch.float64, device=x.device)
+        packed = torch.zeros(3, channels, dtype=torch.float64, device=x.device)
     all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}")
-
-    count = packed[-1]
-    safe_count = count.clamp_min(1.0)  # an all-empty batch gives zeros, not NaN
-    mean = packed[:channels] / safe_count
-    var = (packed[channels : 2 * channels] / safe_count - mean * mean).clamp_min(0.0)
     if _debug.is_debug():
-        _check_statistics(packed, layer, training)
-    return Moments(count, mean, var)
+        _check_statistics(packed[:2], layer, training, float(packed[2, 0]) if channels else 0.0)
+
+    count = packed[2]
+    # Only a rank with at most one value of its own can see an all-empty global batch:
+    # elsewhere the count is >= 2 and needs no guard against 0 / 0.
+    ratios = packed / (count if local_count > 1 else count.clamp_min(1.0))  # [mean, E[x^2], 1]
+    mean, ex2, _ = ratios.unbind()
+    var = torch.addcmul(ex2, mean, mean, value=-1.0).clamp_min_(0.0)
+    valid: bool | torch.Tensor = True if local_count > 1 else count > 1
+    return Moments(count.to(acc), mean.to(acc), var.to(acc), valid)
 
 
-def _check_statistics(packed: torch.Tensor, layer: str, training: bool) -> None:
+def _check_statistics(sums: torch.Tensor, layer: str, training: bool, count: float) -> None:
     """Debug mode: raise on non-finite statistics or a degenerate global training batch."""
-    finite = torch.isfinite(packed)
+    finite = torch.isfinite(sums)
     if not bool(finite.all()):
-        channels = (packed.numel() - 1) // 2
-        bad = (~finite[:channels] | ~finite[channels : 2 * channels]).nonzero().flatten().tolist()
+        bad = (~finite).any(0).nonzero().flatten().tolist()
         raise NonFiniteStatisticsError(
             f"{layer}: non-finite batch statistics in channels {bad[:16]}"
             f"{' ...' if len(bad) > 16 else ''}; the layer's input already contains NaN/Inf "
             "(look at the layer before it, the learning rate, or the loss scale)"
         )
-    count = float(packed[-1])
     if training and count <= 1:
         raise ValueError(
             f"{layer}: expected more than 1 value per channel when training, got a global "
@@ -220,14 +361,20 @@ def _check_statistics(packed: torch.Tensor, layer: str, training: bool) -> None:
         )
 
 
-
 def broadcast_from_first(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:
     """Overwrite ``tensors`` in place with the copies of the group's first rank.
 
-    One broadcast per tensor (they are per-channel vectors: few and small).
+    One broadcast per tensor (they are per-channel vectors: few and small), each on the
+    group's device.
     """
     if group is None:
         return
     src = group_ranks(group)[0]
+    device = group_device(group)
     for t in tensors:
-        dist.broadcast(t, src=src, group=group)
+        if t.device == device:
+            dist.broadcast(t, src=src, group=group)
+        else:
+            staged = t.detach().to(device)
+            dist.broadcast(staged, src=src, group=group)
+            t.copy_(staged)

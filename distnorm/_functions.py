@@ -1,372 +1,516 @@
-"""Private autograd Functions: one per mathematics, with hand-written backward passes.
+"""The mathematics of the layers: per-step statistics ("plans"), and one autograd Function.
 
-* :class:`SyncBatchNormFunction` — batch normalization with statistics over every rank
-  (SPEC §3), the mathematics of ``torch.nn.BatchNorm*`` on the concatenated global batch.
-* :class:`CompleteNormFunction` — CBN with AMAT (SPEC §1) and, with ``amat=False`` and
-  ``rho=kappa``, POP-Norm (SPEC §2).
-* :class:`BNPGradientFunction` — BNP's gradient preconditioner (SPEC §5); it has no
-  collective of its own (the statistics it uses are all-reduced in the layer's forward).
+Every synchronized layer runs the same plan, chosen so that a training step issues exactly
+one collective in the forward and one in the backward, saves only its input plus
+per-channel vectors, and never reads a tensor on the host:
 
-The two normalization Functions share one plan:
-chosen so that each layer issues exactly one collective in the forward and one in the
-backward, and saves only its input plus per-channel vectors:
+statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
+    1. :func:`distnorm._collectives.global_moments`: local Welford moments, ONE all-reduce.
+    2. Per-channel algebra in the accumulation dtype (float32, float64 for float64 input):
+       the statistics the output uses, and the coefficients of the backward below.
+    3. Buffer updates (running / AMAT statistics), on device, exactly once per step.
+    The result is a :class:`NormPlan` of per-channel tensors. Activation checkpointing
+    recomputes a forward during the backward pass; such a recomputation reuses the stashed
+    plan of the first forward instead (:mod:`distnorm._recompute`).
 
-forward
-    1. ``global_moments``: one all-reduce of per-channel sums and a float64 count.
-    2. Per-channel algebra in float64 (a handful of length-C vectors).
-    3. The output is ATen's fused inference batch-norm kernel applied with the statistics
-       from step 2, i.e. ``(x - m) / sqrt(v + eps) * w + b`` for per-channel ``m, v, w, b``.
-       It handles every rank (2-D to 5-D), channels_last, and fp16/bf16 inputs with float32
-       statistics, on CPU and CUDA alike.
-    4. Buffer updates from the all-reduced statistics, on device, without host syncs.
+forward (:class:`NormalizeFunction`)
+    ``y = scale * (x - center) / sqrt(var + eps) + shift``: ATen's inference batch norm,
+    one fused pass for every input rank, memory format and dtype.
 
-backward
-    1. ATen's fused inference batch-norm backward computes the two local per-channel sums
-       ``sum(g)`` and ``sum(g * (x - m)) / sqrt(v + eps)`` in one pass.
-    2. One all-reduce of those ``2C`` sums, only if the input needs a gradient (parameter
-       gradients stay local: the data-parallel engine averages them, as for
-       ``torch.nn.SyncBatchNorm``).
-    3. ``dx = A * g + B * x + D`` with per-channel ``A, B, D``, in two fused passes.
+backward (:func:`normalize_backward`)
+    1. ATen's batch-norm backward computes the local sums ``S1 = sum(g)`` and
+       ``T = sum(g * (x - center)) * invstd`` in one pass.
+    2. Parameter gradients from the local sums (the data-parallel engine averages them).
+    3. ONE all-reduce of ``[S1, T]`` (only if the input needs a gradient), then
+       ``dx = a * g + B * x + D`` with per-channel ``a`` (float32 for fp16/bf16 inputs) and
+       ``[D, B] = grad_coef @ [S1, T]``: two fused passes.
 
-Buffers (running / AMAT statistics) are updated only where the global batch has more than
-one value per channel, via ``lerp`` with an on-device weight, so an all-empty step leaves
-them untouched without a host-side branch.
+The CBN and SyncBatchNorm input gradients are both of that form. With ``u = a / n``::
+
+    B = -u * q * T                 D = -u * r_mu * S1 + u * q * w * T
+
+SyncBatchNorm: ``a = weight * invstd``, ``q = invstd``, ``r_mu = 1``, ``w = mean``.
+CBN (SPEC §1.1, with ``T = S2 / s_u``): ``a = gamma / (rho * s_u)``, ``q = r_sig / s``,
+``w = (mu_U - beta) + r_mu * d``, ``d = mu_B - mu_U + beta``.
+
+Kernel contracts. The CUDA kernels of the batch-norm family demand more than their CPU
+twins; every call below gives them what CUDA needs, on every device, and
+``tests/test_kernel_contracts.py`` checks each dispatched call on the CPU:
+
+* per-channel arguments are 1-D, contiguous, of length ``C`` and of the accumulation dtype
+  (CUDA's ``is_mixed_type`` takes the dtype of the first defined parameter; the CPU kernel
+  requires float32 parameters for fp16/bf16 input);
+* ``native_batch_norm_backward`` gets a defined ``save_mean`` and ``save_invstd`` (CUDA
+  asserts it: ``batch_norm_backward_cuda``) and a defined weight whenever weight or bias
+  gradients are asked for (``batch_norm_backward_reduce_cuda`` gives them its options).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from distnorm import _collectives
-from distnorm._collectives import ProcessGroup, accumulate_dtype
+from distnorm._collectives import ProcessGroup, accumulate_dtype, constant
+from distnorm._recompute import Stash, StashedPlan, in_backward
 
-__all__ = ["BNPGradientFunction", "bnp_precondition", "CompleteNormFunction", "SyncBatchNormFunction", "channel_affine"]
+__all__ = [
+    "BNPGradientFunction",
+    "NormPlan",
+    "NormState",
+    "NormalizeFunction",
+    "bn_statistics",
+    "bnp_precondition",
+    "cbn_statistics",
+    "channel_affine",
+    "normalize_backward",
+]
 
 
-def _channel_view(v: torch.Tensor, ndim: int) -> torch.Tensor:
+@dataclass(eq=False)
+class NormState:
+    """What the mathematics needs to know about one layer, in one small structure.
+
+    The module owns parameters and buffers; this object carries its hyper-parameters and
+    the host-side facts that let the statistics skip work without reading the device.
+
+    Attributes:
+        kind: ``"bn"`` (batch normalization) or ``"cbn"`` (CBN / POP-Norm).
+        name: the layer's name in error messages.
+        eps, momentum, rho, r_max: hyper-parameters (``rho = kappa`` for POP-Norm).
+        process_group, sync: what to synchronize over.
+        history: AMAT blends in history at this step (``eta > 0``); known from ``set_lr``.
+        amat_ready: the AMAT buffers are initialised on every rank (the host saw it happen).
+        stats_sink: dict the theory monitors read the last batch statistics from, or None.
+    """
+
+    kind: str
+    name: str
+    eps: float
+    momentum: float | None
+    rho: float = 1.0
+    r_max: float = 3.0
+    process_group: ProcessGroup | None = None
+    sync: bool = True
+    history: bool = False
+    amat_ready: bool = False
+    stats_sink: dict | None = None
+    stash: Stash = field(default_factory=Stash, repr=False)
+    pending: StashedPlan | None = field(default=None, repr=False)
+    key: int = field(default=-1, repr=False)  # registry key of distnorm._ops (torch.compile)
+
+    def group(self) -> ProcessGroup | None:
+        return _collectives.sync_group(self.process_group) if self.sync else None
+
+    def __getstate__(self) -> dict[str, Any]:  # pickling / deepcopy: runtime fields reset
+        state = dict(self.__dict__)
+        state.update(stash=None, pending=None, key=-1, stats_sink=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.stash = Stash()
+
+    def __deepcopy__(self, memo: dict) -> "NormState":
+        import copy
+
+        new = NormState.__new__(NormState)
+        state = self.__getstate__()
+        group = state.pop("process_group")
+        new.__setstate__(copy.deepcopy(state, memo))
+        new.process_group = group  # process groups are shared handles, never copied
+        return new
+
+
+class NormPlan(NamedTuple):
+    """Per-channel tensors of one training step (all of the accumulation dtype).
+
+    Attributes:
+        center: subtracted from ``x`` (``mean`` for BN, ``mu_U - beta`` for CBN).
+        var: variance the output divides by (``sqrt(var + eps)``).
+        invstd: ``1 / sqrt(var + eps)``.
+        grad_scale: ``a``, the factor of ``g`` in the input gradient.
+        grad_coef: ``(2, 2, C)``, maps the global ``[S1, T]`` to ``[D, B]``.
+        beta_coef: ``q * d`` of CBN's ``dbeta = a * (S1 - q d T)`` (local sums); empty for BN.
+    """
+
+    center: torch.Tensor
+    var: torch.Tensor
+    invstd: torch.Tensor
+    grad_scale: torch.Tensor
+    grad_coef: torch.Tensor
+    beta_coef: torch.Tensor
+
+
+def _acc(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``t`` in ``dtype`` (no op when it already is)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _begin(x: torch.Tensor, state: Any, replay: bool) -> Any:
+    """A recomputed forward (activation checkpointing) reuses the first forward's plan."""
+    if replay and in_backward():
+        return state.stash.pop(x.shape, state.name)
+    return None
+
+
+def _finish(plan: Any, x: torch.Tensor, state: Any, replay: bool) -> Any:
+    """Stash the plan of a first forward for a possible recomputation (eager mode)."""
+    if not replay:
+        return plan
+    stashed = StashedPlan(plan, x.shape)
+    grad_enabled = torch.is_grad_enabled()
+    state.stash.push(stashed, grad_enabled=grad_enabled)
+    state.pending = stashed if grad_enabled else None  # the autograd node keeps it alive
+    return plan
+
+
+def _grad_coef(u_neg: torch.Tensor, q: torch.Tensor, r_mu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``[[kD1, kD2], [0, kB]] = -u * [[r_mu, -q w], [0, q]]`` as a ``(2, 2, C)`` tensor."""
+    zero = constant(0.0, q.shape[0], q.dtype, q.device)
+    qw_neg = torch.addcmul(zero, q, w, value=-1.0)
+    return torch.stack([r_mu, qw_neg, zero, q]).mul_(u_neg).view(2, 2, -1)
+
+
+def _neg_inverse_count(a: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """``-a / n`` with a host count (one op) or a device count."""
+    if isinstance(count, int):
+        return a * (-1.0 / max(count, 1))
+    return torch.div(a, count).neg_()
+
+
+def _blend(buffers: list[torch.Tensor], new: list[torch.Tensor], weight: float | torch.Tensor,
+           valid: bool | torch.Tensor) -> None:
+    """``buffer <- lerp(buffer, new, weight)`` for each pair, where the batch was valid.
+
+    ``valid`` is ``True`` when the host knows it; otherwise a bool tensor masks the update
+    (an all-empty step changes nothing). Both forms compute the new values with the same
+    (multi-tensor) operation, so ranks that take different forms still hold bit-identical
+    buffers.
+    """
+    new = [_acc(n, b.dtype) for n, b in zip(new, buffers)]
+    if isinstance(weight, torch.Tensor):  # the foreach ops take a scalar weight
+        blended = [b.lerp(n, weight) for b, n in zip(buffers, new)]
+    elif valid is True:
+        torch._foreach_lerp_(buffers, new, weight)
+        return
+    else:
+        blended = torch._foreach_lerp(buffers, new, weight)
+    if valid is not True:
+        blended = [torch.where(valid, n, b) for b, n in zip(buffers, blended)]
+    torch._foreach_copy_(buffers, blended)
+
+
+def _update_running(running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                    num_batches_tracked: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
+                    count: int | torch.Tensor, momentum: float | None, valid: bool | torch.Tensor) -> None:
+    """PyTorch's running statistics (unbiased variance, global count), once per step."""
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1 if valid is True else valid[0].to(num_batches_tracked.dtype))
+    if running_mean is None or running_var is None:
+        return
+    if momentum is None:  # cumulative moving average: weight 1 / num_batches_tracked
+        assert num_batches_tracked is not None, "cumulative averaging needs num_batches_tracked"
+        weight: float | torch.Tensor = num_batches_tracked.to(running_mean.dtype).clamp_min(1.0).reciprocal()
+    else:
+        weight = momentum
+    # Bessel's correction with the global count (where the count is <= 1 the step is
+    # masked out, so the inf / NaN it gives there is never used).
+    bessel = count / max(count - 1, 1) if isinstance(count, int) else count / (count - 1.0)
+    _blend([running_mean, running_var], [mean, var * bessel], weight, valid)
+
+
+# --------------------------------------------------------------------------- statistics
+@torch.no_grad()
+def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: torch.Tensor | None,
+                  running_var: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
+                  state: NormState, replay: bool = True) -> NormPlan:
+    """Batch normalization over the global batch (SPEC §3): the plan, and running stats.
+
+    ``mean``, ``var`` are the global batch mean and biased variance; ``a = weight * invstd``,
+    and the backward coefficients are those of ``torch.nn.BatchNorm*`` on the global batch.
+    """
+    replayed = _begin(x, state, replay)
+    if replayed is not None:
+        return replayed
+    moments = _collectives.global_moments(x, state.group(), layer=state.name)
+    mean, var, count = moments.mean, moments.var, moments.count
+    acc = mean.dtype
+    channels = mean.shape[0]
+    invstd = torch.rsqrt(var + state.eps)
+    a = invstd * _acc(weight, acc) if weight is not None else invstd
+    one = constant(1.0, channels, acc, mean.device)
+    plan = NormPlan(mean, var, invstd, a, _grad_coef(_neg_inverse_count(a, count), invstd, one, mean),
+                    _EMPTY.get(acc, mean.device))
+    _update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
+    return _finish(plan, x, state, replay)
+
+
+@torch.no_grad()
+def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, amat_mean: torch.Tensor,
+                   amat_var: torch.Tensor, amat_initialized: torch.Tensor, running_mean: torch.Tensor,
+                   running_var: torch.Tensor, num_batches_tracked: torch.Tensor, amat_eta: torch.Tensor,
+                   state: NormState, replay: bool = True) -> NormPlan:
+    """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history).
+
+    Per channel, with ``eta`` from ``amat_eta`` (``state.history`` says whether it is > 0)::
+
+        mu_U  = mu_B + eta (mu_A - mu_B)          d = mu_B - mu_U + beta
+        var_B = var(x) + d^2                      var_U = var_B + eta (var_A - var_B)
+        s = sqrt(var_B + eps)                     s_u = sqrt(var_U + eps)
+        r_sig = clamp(s_u / s)                    r_mu = clamp(mu_U / mu_B) where meaningful, else 1
+
+    The AMAT buffers become ``(mu_U, var_U)``; before their first valid step they are taken
+    to be this batch's statistics, so that step is plain CBN.
+    """
+    replayed = _begin(x, state, replay)
+    if replayed is not None:
+        return replayed
+    moments = _collectives.global_moments(x, state.group(), layer=state.name)
+    count, mu_b, var_x, valid = moments
+    acc = mu_b.dtype
+    channels = mu_b.shape[0]
+    eps = state.eps
+    beta = _acc(bias, acc)
+    one = constant(1.0, channels, acc, mu_b.device)
+
+    if state.history:
+        eta = _acc(amat_eta, acc)
+        mu_a, var_a = _acc(amat_mean, acc), _acc(amat_var, acc)
+        if not state.amat_ready:  # "update, then substitute" starts from this batch
+            mu_a = torch.where(amat_initialized, mu_a, mu_b)
+            var_a = torch.where(amat_initialized, var_a, torch.addcmul(var_x, beta, beta))
+        delta = mu_a - mu_b
+        mu_u = torch.addcmul(mu_b, delta, eta)
+        d = torch.addcmul(beta, delta, eta, value=-1.0)
+        var_b = torch.addcmul(var_x, d, d)
+        var_u = torch.lerp(var_b, var_a, eta)
+        inv_s, invstd = torch._foreach_rsqrt_(torch._foreach_add([var_b, var_u], eps))
+        # Stop-gradient ratios. mu_U / mu_B explodes when the batch mean is near zero (tanh,
+        # centred inputs): use it only where both share a sign and |mu_B| > 0.1 sd(x)
+        # (mu_B^2 > 0.01 (var + eps)); clamp both. This changes only gradient scales.
+        r_sig = torch.div(inv_s, invstd).clamp_(1.0 / state.r_max, state.r_max)
+        q = r_sig * inv_s
+        ratio = mu_u / mu_b
+        meaningful = (ratio > 0) & (torch.addcmul(var_x, mu_b, mu_b, value=-100.0) < -eps)
+        r_mu = torch.where(meaningful, ratio.clamp_(1.0 / state.r_max, state.r_max), one)
+        center = mu_u - beta
+        w = torch.addcmul(center, r_mu, d)
+    else:
+        # No history (AMAT off, or eta = 0 at learning rates >= 1/omega): mu_U = mu_B,
+        # var_U = var_B = var(x) + beta^2, both ratios exactly 1.
+        mu_u, d, r_mu = mu_b, beta, one
+        var_b = var_u = torch.addcmul(var_x, beta, beta)
+        invstd = q = torch.rsqrt(var_u + eps)
+        center = mu_b - beta
+        w = mu_b  # (mu_U - beta) + d
+
+    a = invstd * _acc(weight, acc)
+    if state.rho != 1.0:
+        a.mul_(1.0 / state.rho)
+    grad_coef = _grad_coef(_neg_inverse_count(a, count), q, r_mu, w)
+    plan = NormPlan(center, var_u, invstd, a, grad_coef, q * d)
+
+    if valid is True:
+        torch._foreach_copy_([amat_mean, amat_var], [mu_u, var_u])
+        if not state.amat_ready:
+            amat_initialized.fill_(True)
+            state.amat_ready = True
+    else:  # a rank that cannot know whether the global batch was valid: masked, same values
+        torch._foreach_copy_([amat_mean, amat_var], [torch.where(valid, mu_u, amat_mean),
+                                                     torch.where(valid, var_u, amat_var)])
+        amat_initialized.logical_or_(valid[0])
+    _update_running(running_mean, running_var, num_batches_tracked, mu_b, var_x, count, state.momentum, valid)
+    if state.stats_sink is not None:  # theory monitors (distnorm.monitors); None on the hot path
+        state.stats_sink.update(mean=mu_b.clone(), sigma=torch.rsqrt(var_b + eps).reciprocal(), amat_mean=mu_u.clone())
+    return _finish(plan, x, state, replay)
+
+
+class _EmptyCache:
+    """0-element tensors per (dtype, device): the plan's ``beta_coef`` for BN."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (dtype, device)
+        if key not in self._cache:
+            self._cache[key] = torch.empty(0, dtype=dtype, device=device)
+        return self._cache[key]
+
+
+_EMPTY = _EmptyCache()
+
+
+# ---------------------------------------------------------------- forward / backward
+def _view(v: torch.Tensor, ndim: int) -> torch.Tensor:
     return v.view([1, -1] + [1] * (ndim - 2))
 
 
 def channel_affine(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``scale[c] * x + shift[c]`` per channel, in ``x``'s dtype and memory format.
 
-    Implemented with the inference batch-norm kernel (mean 0, variance 1, eps 0, so its
-    ``1/sqrt(var + eps)`` is exactly 1): one fused pass that computes in float32 for
-    fp16/bf16 inputs. ``scale``/``shift`` are in the accumulation dtype of ``x``.
+    ATen's inference batch norm with mean 0, variance 1 and eps 0 (so ``1/sqrt(var + eps)``
+    is exactly 1): one fused pass that computes in float32 for fp16/bf16 inputs.
+    ``scale`` / ``shift`` must have the accumulation dtype of ``x`` (kernel contract).
     """
-    zeros = torch.zeros_like(scale)
-    ones = torch.ones_like(scale)
-    return torch.batch_norm(x, scale, shift, zeros, ones, False, 0.0, 0.0, False)
+    channels = scale.shape[0]
+    zero = constant(0.0, channels, scale.dtype, scale.device)
+    one = constant(1.0, channels, scale.dtype, scale.device)
+    return torch.ops.aten.native_batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0)[0]
 
 
-def _local_grad_sums(
-    grad_out: torch.Tensor, x: torch.Tensor, center: torch.Tensor, var: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local per-channel ``(sum(g), sum(g * (x - center)) / sqrt(var + eps))``, one pass.
+def forward_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   center: torch.Tensor, var: torch.Tensor, state: NormState) -> torch.Tensor:
+    """``scale * (x - center) / sqrt(var + eps) + shift``: ATen's inference batch norm.
 
-    ATen's batch-norm backward in inference mode returns exactly these as its bias and
-    weight gradients (without a weight, and without computing an input gradient).
+    BN: ``scale, shift = weight, bias``; CBN: ``scale = gamma / rho``, no shift (beta is in
+    ``center``). Kernel contract: weight and bias of the accumulation dtype; calling
+    ``native_batch_norm`` directly (not ``torch.batch_norm``, which may pick cuDNN) runs the
+    same native kernel family on CPU and CUDA.
     """
-    _, sum_g_xhat, sum_g = torch.ops.aten.native_batch_norm_backward(
-        grad_out, x, None, center, var, None, None, False, eps, [False, True, True]
-    )
-    return sum_g.double(), sum_g_xhat.double()
-
-
-def _update_running_stats(
-    running_mean: torch.Tensor | None,
-    running_var: torch.Tensor | None,
-    num_batches_tracked: torch.Tensor | None,
-    moments: _collectives.Moments,
-    momentum: float | None,
-    valid: torch.Tensor,
-) -> None:
-    """PyTorch's running statistics (unbiased variance, global count) from ``moments``.
-
-    ``momentum=None`` is PyTorch's cumulative moving average (factor ``1/num_batches``).
-    ``valid`` (float64 0/1) masks out steps whose global batch had at most one value.
-    """
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(valid.to(num_batches_tracked.dtype))
-    if running_mean is None or running_var is None:
-        return
-    if momentum is None:
-        assert num_batches_tracked is not None, "cumulative averaging needs num_batches_tracked"
-        factor = valid / num_batches_tracked.double().clamp_min(1.0)
+    acc = center.dtype
+    if state.kind == "bn":
+        scale, shift = _acc(weight, acc), _acc(bias, acc)
     else:
-        factor = valid * momentum
-    count = moments.count
-    unbiased_var = moments.var * count / (count - 1.0).clamp_min(1.0)
-    running_mean.lerp_(moments.mean.to(running_mean.dtype), factor.to(running_mean.dtype))
-    running_var.lerp_(unbiased_var.to(running_var.dtype), factor.to(running_var.dtype))
+        scale = _acc(weight, acc) if state.rho == 1.0 else _acc(weight, acc) * (1.0 / state.rho)
+        shift = None
+    return torch.ops.aten.native_batch_norm(x, scale, shift, center, var, False, 0.0, state.eps)[0]
 
 
-class SyncBatchNormFunction(torch.autograd.Function):
-    """Batch normalization over the global batch of all ranks in ``group``.
+@torch.no_grad()
+def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Tensor, invstd: torch.Tensor,
+                       grad_scale: torch.Tensor, grad_coef: torch.Tensor, beta_coef: torch.Tensor,
+                       need_input_grad: bool, state: NormState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_weight, grad_bias)`` in the accumulation dtype (see the module plan).
 
-    Forward::
+    ``grad_x`` is an empty tensor when ``need_input_grad`` is false (no collective then).
+    """
+    channels = center.shape[0]
+    if x.numel() > 0:
+        # Kernel contract (batch_norm_backward_cuda): train=True makes both kernels read
+        # save_mean / save_invstd, which CUDA asserts are defined; the mask [False, True,
+        # True] takes CUDA's non-fused branch, whose batch_norm_backward_reduce needs a
+        # defined weight for its outputs' dtype. `invstd` serves: the sums do not depend
+        # on the weight's values.
+        _, t_local, s1_local = torch.ops.aten.native_batch_norm_backward(
+            grad_out, x, invstd, None, None, center, invstd, True, state.eps, [False, True, True])
+    else:  # an empty rank contributes nothing but still joins the collective below
+        t_local = s1_local = constant(0.0, channels, center.dtype, center.device)
 
-        mu, var = global mean and biased variance of x        (one all-reduce)
-        y = (x - mu) / sqrt(var + eps) * weight + bias
+    sums = torch.stack([s1_local, t_local])
+    if state.kind == "bn":
+        grad_weight, grad_bias = t_local, s1_local
+    else:
+        grad_weight = t_local if state.rho == 1.0 else t_local * (1.0 / state.rho)
+        # SPEC §1.1's dbeta with the local/global roles exchanged: c_local * sum_global(x1)
+        # instead of c_global * sum_local(x1). Both are linear in the local sums and agree
+        # after the data-parallel average, and this form needs no collective.
+        grad_bias = torch.addcmul(s1_local, beta_coef, t_local, value=-1.0).mul_(grad_scale)
 
-    Backward (``n`` global count, ``xhat = (x - mu) * invstd``)::
+    if not need_input_grad:
+        return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias
+    # The statistics depend on every rank's samples, so the input gradient needs the global
+    # sums. Parameter gradients do not: they stay local and the data-parallel engine
+    # averages them, exactly as for torch.nn.SyncBatchNorm.
+    _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}")
+    shift, slope = (grad_coef * sums).sum(1).unbind()  # D, B
+    if x.numel() == 0:
+        return torch.empty_like(x), grad_weight, grad_bias
+    grad_x = channel_affine(x, slope, shift)
+    # a stays in the accumulation dtype: the in-place op computes in float32 and rounds once.
+    grad_x.addcmul_(grad_out, _view(grad_scale, x.dim()))
+    return grad_x, grad_weight, grad_bias
 
-        dweight = sum_local(g * xhat), dbias = sum_local(g)   (DDP averages them)
-        dx = weight * invstd * (g - S1/n - xhat * S2/n)       S1, S2: global sums of g, g*xhat
+
+class NormalizeFunction(torch.autograd.Function):
+    """``y = scale * (x - center) / sqrt(var + eps) + shift`` with the statistics' backward.
+
+    Inputs after ``(x, weight, bias)`` are a :class:`NormPlan` (no gradient flows into it:
+    its dependence on ``x`` and the parameters is in the hand-written backward) and the
+    layer's :class:`NormState`.
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        running_mean: torch.Tensor | None,
-        running_var: torch.Tensor | None,
-        num_batches_tracked: torch.Tensor | None,
-        momentum: float | None,
-        eps: float,
-        group: ProcessGroup | None,
-        layer: str,
-    ) -> torch.Tensor:
-        acc = accumulate_dtype(x)
-        moments = _collectives.global_moments(x, group, layer=layer)
-        mean = moments.mean.to(acc)
-        var = moments.var.to(acc)
-        w = weight.to(acc) if weight is not None else None
-        b = bias.to(acc) if bias is not None else None
-        y = torch.batch_norm(x, w, b, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
-
-        valid = (moments.count > 1).double()
-        _update_running_stats(running_mean, running_var, num_batches_tracked, moments, momentum, valid)
-
-        ctx.save_for_backward(x, weight, mean, var, moments.count)
-        ctx.eps = eps
-        ctx.group = group
-        ctx.layer = layer
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                center: torch.Tensor, var: torch.Tensor, invstd: torch.Tensor, grad_scale: torch.Tensor,
+                grad_coef: torch.Tensor, beta_coef: torch.Tensor, state: NormState) -> torch.Tensor:
+        y = forward_output(x, weight, bias, center, var, state)
+        ctx.save_for_backward(x, center, invstd, grad_scale, grad_coef, beta_coef)
+        ctx.state = state
+        ctx.weight_dtype = weight.dtype if weight is not None else None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if not torch.compiler.is_compiling():
+            ctx.stashed = state.pending  # keeps the stashed plan alive as long as this node
+            state.pending = None
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, mean, var, count = ctx.saved_tensors
+        from distnorm import _ops
+
+        x, center, invstd, grad_scale, grad_coef, beta_coef = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        channels = x.shape[1]
-        acc = mean.dtype
-        if x.numel() > 0:
-            sum_g, sum_g_xhat = _local_grad_sums(grad_out, x, mean, var, ctx.eps)
-        else:  # an empty rank contributes nothing but still joins the collective below
-            sum_g = torch.zeros(channels, dtype=torch.float64, device=x.device)
-            sum_g_xhat = torch.zeros_like(sum_g)
-
-        grad_x = None
-        if need_x:
-            # The statistics depend on every rank's samples, so the input gradient needs the
-            # global sums. Parameter gradients do not: they stay local and the data-parallel
-            # engine averages them, exactly as for torch.nn.SyncBatchNorm.
-            sums = torch.cat([sum_g, sum_g_xhat])
-            _collectives.all_reduce_sum(sums, ctx.group, slot=f"{ctx.layer}|backward|C={channels}|{x.dtype}")
-            n = count.clamp_min(1.0)
-            invstd = torch.rsqrt(var.double() + ctx.eps)
-            w = weight.double() if weight is not None else torch.ones_like(invstd)
-            a = w * invstd
-            b = -a * invstd * sums[channels:] / n
-            d = -a * sums[:channels] / n - b * mean.double()
-            if x.numel() > 0:
-                grad_x = channel_affine(x, b.to(acc), d.to(acc))
-                grad_x.addcmul_(grad_out, _channel_view(a.to(grad_x.dtype), x.dim()))
-            else:
-                grad_x = torch.empty_like(x)
-
-        grad_w = sum_g_xhat.to(weight.dtype) if need_w else None
-        grad_b = sum_g.to(weight.dtype if weight is not None else acc) if need_b else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        grad_x, grad_w, grad_b = _ops.normalize_backward(
+            grad_out.contiguous(memory_format=_memory_format(x)), x, center, invstd, grad_scale, grad_coef,
+            beta_coef, need_x, ctx.state)
+        return (
+            grad_x if need_x else None,
+            _acc(grad_w, ctx.weight_dtype) if need_w else None,
+            _acc(grad_b, ctx.bias_dtype) if need_b else None,
+            None, None, None, None, None, None, None,
+        )
 
 
-class CompleteNormFunction(torch.autograd.Function):
-    """Complete batch normalization (CBN) with AMAT; POP-Norm when ``amat=False``.
-
-    Forward, per channel (SPEC §1; ``n`` global count, statistics over every rank)::
-
-        mu_B  = mean(x)                         var_x = biased variance of x
-        mu_U  = eta * mu_A + (1 - eta) * mu_B   (mu_U = mu_B without AMAT)
-        x1    = x - mu_U + beta                 d = mean(x1) = mu_B - mu_U + beta
-        var_B = mean(x1^2) = var_x + d^2        s = sqrt(var_B + eps)
-        var_U = eta * var_A + (1 - eta) * var_B s_u = sqrt(var_U + eps)
-        y     = (gamma / rho) * x1 / s_u
-
-    Gradients flow through the *batch* statistics scaled by the constant (stop-gradient)
-    ratios ``r_mu ~ mu_U / mu_B`` and ``r_sig ~ s_u / s`` (guarded, clamped to
-    ``[1/r_max, r_max]``; exactly 1 without AMAT or when ``eta = 0``). With
-    ``a = gamma / (rho * s_u)``, ``S1 = sum(g)``, ``S2 = sum(g * x1)`` (SPEC §1.1)::
-
-        c        = r_sig * S2 / (n * s_u * s)
-        dx       = a * (g - c * x1 - (r_mu / n) * (S1 - c * n * d))      global S1, S2
-        dgamma   = S2_local / (rho * s_u)
-        dbeta    = a * (S1_local - r_sig * d * S2_local / (s_u * s))
-
-    ``dbeta`` is SPEC's ``a * (S1_local - c * sum_local(x1))`` with the roles of the local
-    and global factors exchanged: ``c_local * sum_global(x1)`` instead of
-    ``c_global * sum_local(x1)``. Both are linear in the local sums and agree after the
-    data-parallel average (their sums over ranks are equal), and this form needs no
-    collective, so parameter gradients never wait for the network. With one process the two
-    are identical.
-
-    The AMAT buffers are initialised from the first valid batch (``mu_A = mu_B``,
-    ``var_A = var_x + beta^2``), so that step is plain complete batch normalization.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor,
-        amat_mean: torch.Tensor,
-        amat_var: torch.Tensor,
-        amat_initialized: torch.Tensor,
-        running_mean: torch.Tensor,
-        running_var: torch.Tensor,
-        num_batches_tracked: torch.Tensor,
-        eta: float,
-        rho: float,
-        eps: float,
-        momentum: float | None,
-        r_max: float,
-        group: ProcessGroup | None,
-        layer: str,
-        stats_out: dict | None = None,
-    ) -> torch.Tensor:
-        acc = accumulate_dtype(x)
-        moments = _collectives.global_moments(x, group, layer=layer)
-        mu_b, var_x = moments.mean, moments.var
-        beta = bias.double()
-        gamma = weight.double()
-
-        if eta > 0.0:
-            # AMAT, "update, then substitute" (SPEC §1 Decisions): fold this batch into the
-            # averages, then normalize with them. Before initialisation the averages are
-            # taken to be this batch's statistics, so the first step is plain CBN.
-            initialized = amat_initialized.bool()
-            mu_a = torch.where(initialized, amat_mean.double(), mu_b)
-            mu_u = torch.lerp(mu_b, mu_a, eta)
-            d = mu_b - mu_u + beta
-            var_b = torch.addcmul(var_x, d, d)
-            var_a = torch.where(initialized, amat_var.double(), torch.addcmul(var_x, beta, beta))
-            var_u = torch.lerp(var_b, var_a, eta)
-            s = torch.sqrt(var_b + eps)
-            s_u = torch.sqrt(var_u + eps)
-            # Stop-gradient ratios. mu_U / mu_B explodes when the batch mean is near zero
-            # (tanh, centred inputs): use it only where both have the same sign and the mean
-            # is at least a tenth of a standard deviation; clamp both. Guarding changes only
-            # the gradient scale, never the forward value.
-            meaningful = (mu_u * mu_b > 0) & (mu_b.abs() > 0.1 * torch.sqrt(var_x + eps))
-            r_mu = torch.where(meaningful, mu_u / torch.where(meaningful, mu_b, 1.0), 1.0)
-            r_mu = r_mu.clamp(1.0 / r_max, r_max)
-            r_sig = (s_u / s).clamp(1.0 / r_max, r_max)
-        else:
-            # No history (AMAT off, or eta = 0 at learning rates >= 1/omega): mu_U = mu_B,
-            # var_U = var_B, both ratios are exactly 1.
-            mu_u = mu_b
-            d = beta
-            var_b = var_u = torch.addcmul(var_x, beta, beta)
-            s = s_u = torch.sqrt(var_b + eps)
-            r_mu = r_sig = torch.ones_like(s)
-
-        center = (mu_u - beta).to(acc)  # x - center == x1
-        var_used = var_u.to(acc)
-        scale = (gamma / rho).to(acc)
-        y = torch.batch_norm(x, scale, None, center, var_used, False, 0.0, eps, torch.backends.cudnn.enabled)
-
-        valid = (moments.count > 1).double()
-        amat_mean.lerp_(mu_u.to(amat_mean.dtype), valid.to(amat_mean.dtype))
-        amat_var.lerp_(var_u.to(amat_var.dtype), valid.to(amat_var.dtype))
-        amat_initialized.logical_or_(valid.bool())
-        _update_running_stats(running_mean, running_var, num_batches_tracked, moments, momentum, valid)
-
-        if stats_out is not None:  # theory monitors (distnorm.monitors); None on the hot path
-            stats_out.update(mean=mu_b.detach().clone(), sigma=s.detach().clone(), amat_mean=mu_u.detach().clone())
-        a = gamma / (rho * s_u)
-        ctx.save_for_backward(x, center, var_used, moments.count, a, s_u, s, d, r_mu, r_sig, mu_u - beta)
-        ctx.rho = rho
-        ctx.eps = eps
-        ctx.group = group
-        ctx.layer = layer
-        ctx.param_dtype = weight.dtype
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, center, var_used, count, a, s_u, s, d, r_mu, r_sig, center64 = ctx.saved_tensors
-        need_x, need_gamma, need_beta = ctx.needs_input_grad[:3]
-        channels = x.shape[1]
-        if x.numel() > 0:
-            # sum(g) and sum(g * x1) / s_u in one fused pass.
-            sum_g, sum_g_x1_su = _local_grad_sums(grad_out, x, center, var_used, ctx.eps)
-        else:
-            sum_g = torch.zeros(channels, dtype=torch.float64, device=x.device)
-            sum_g_x1_su = torch.zeros_like(sum_g)
-
-        grad_gamma = (sum_g_x1_su / ctx.rho).to(ctx.param_dtype) if need_gamma else None
-        grad_beta = None
-        if need_beta:
-            # Local form, no collective needed (see the class docstring).
-            grad_beta = (a * (sum_g - (r_sig * d / s) * sum_g_x1_su)).to(ctx.param_dtype)
-
-        grad_x = None
-        if need_x:
-            sums = torch.cat([sum_g, sum_g_x1_su])
-            _collectives.all_reduce_sum(sums, ctx.group, slot=f"{ctx.layer}|backward|C={channels}|{x.dtype}")
-            n = count.clamp_min(1.0)
-            s1 = sums[:channels]
-            c = r_sig * sums[channels:] / (n * s)  # = r_sig * S2 / (n * s_u * s)
-            # dx = a*g - a*c*(x - center) - a*(r_mu/n)*(S1 - c*n*d)  ==  A*g + B*x + D
-            b = -a * c
-            d_term = a * c * center64 - a * (r_mu / n) * (s1 - c * n * d)
-            if x.numel() > 0:
-                acc = center.dtype
-                grad_x = channel_affine(x, b.to(acc), d_term.to(acc))
-                grad_x.addcmul_(grad_out, _channel_view(a.to(grad_x.dtype), x.dim()))
-            else:
-                grad_x = torch.empty_like(x)
-        return (grad_x, grad_gamma, grad_beta) + (None,) * 14
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
 
 
+# -------------------------------------------------------------------------------- BNP
 class BNPGradientFunction(torch.autograd.Function):
     """Identity on ``(weight, bias)`` in the forward; BNP's preconditioner in the backward.
 
     The layer computes its output from the *returned* aliases, so the gradients that reach
     this Function are the layer's plain ``(G_w, G_b)`` for this backward pass; it returns
-    ``(1/q²) P Pᵀ [G_b; G_w]`` (see :func:`bnp_precondition`), which
-    autograd accumulates into ``weight.grad`` / ``bias.grad``. Every optimizer and engine
-    therefore sees the preconditioned gradient, and nothing runs at ``optimizer.step()``.
+    ``(1/q²) P Pᵀ [G_b; G_w]`` (see :func:`bnp_precondition`), which autograd accumulates
+    into ``weight.grad`` / ``bias.grad``. Every optimizer and engine therefore sees the
+    preconditioned gradient, and nothing runs at ``optimizer.step()``.
+
+    ``q2`` depends on the layer's output size, known only after its forward: in eager mode
+    it arrives through a holder object filled by the layer's forward hook before any
+    backward runs; under ``torch.compile`` (which traces the backward at once) it is a
+    tensor computed from the size the layer's class is known to produce.
 
     The map is linear and built from rank-consistent statistics, so applying it on each
     rank before the data-parallel average (as here) equals applying it after.
     """
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        mean: torch.Tensor,
-        var_t: torch.Tensor,
-        q2: torch.Tensor,
-        groups: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ctx.save_for_backward(mean, var_t, q2)
+    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
+                var_t: torch.Tensor, q2: Any, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(q2, torch.Tensor):
+            ctx.save_for_backward(mean, var_t, q2)
+            ctx.holder = None
+        else:
+            ctx.save_for_backward(mean, var_t)
+            ctx.holder = q2
         ctx.groups = groups
         return weight.view_as(weight), (bias.view_as(bias) if bias is not None else None)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_weight: torch.Tensor, grad_bias: torch.Tensor | None) -> tuple[Any, ...]:
-        mean, var_t, q2 = ctx.saved_tensors
+        mean, var_t, *q2 = ctx.saved_tensors
+        q2 = q2[0] if q2 else ctx.holder.q2
         if grad_weight is None:
             return None, grad_bias, None, None, None, None
         if ctx.needs_input_grad[1] and grad_bias is None:
@@ -415,19 +559,34 @@ def bnp_precondition(
             f"{mean.numel()} input channels in {groups} group(s)"
         )
     shape = (out_channels, per_group) + (1,) * (grad_weight.dim() - 2)
-    # Row d of the per-(output, input-channel) statistics is its group's input channels.
-    mu = mean.to(compute).view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
-    vt = var_t.to(compute).view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
-    q2 = torch.as_tensor(q2, dtype=compute, device=grad_weight.device)
-    gw = grad_weight.to(compute)
+    mu, vt = mean.to(compute), var_t.to(compute)
+    if groups > 1:  # row d of the per-(output, input-channel) statistics: its group's channels
+        mu = mu.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+        vt = vt.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+    else:
+        mu, vt = mu.view(1, -1), vt.view(1, -1)
+    denominator = (vt * q2).view((-1,) + shape[1:]) if groups > 1 else (vt * q2).view((1,) + shape[1:])
+    gw = _acc(grad_weight, compute)
     if grad_bias is None:
-        return (gw / (q2 * vt).view(shape)).to(grad_weight.dtype), None
-    gb = grad_bias.to(compute)
+        return (gw / denominator).to(grad_weight.dtype), None
+    gb = _acc(grad_bias, compute)
     # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
     # backward at one extra weight gradient per layer).
-    new_w = torch.addcmul(gw, mu.view(shape), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
-    new_w.div_((q2 * vt).view(shape))
+    new_w = torch.addcmul(gw, mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
+    new_w.div_(denominator)
     # sum_{p, kernel} mu[p] * new_w[d, p, kernel]: reduce the kernel first, then a row dot.
     per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
-    new_b = gb / q2 - torch.einsum("dp,dp->d", per_channel, mu)
+    new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)
     return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)
+
+
+def bnp_q2(count: int | torch.Tensor, fan_in: int, in_spatial: tuple[int, ...],
+           out_spatial: tuple[int, ...] | None) -> float | torch.Tensor:
+    """BNP's ``q² = max(fan_in / N, floor)`` from the global count of input values per
+    channel: dense ``N = count``, floor 1; conv ``N = count / (H_in W_in)``, floor
+    ``sqrt(H_out W_out)`` (SPEC §5). A host count gives a float, a device count a tensor."""
+    numerator = float(fan_in) if out_spatial is None else float(fan_in * max(math.prod(in_spatial), 1))
+    floor = 1.0 if out_spatial is None else math.sqrt(math.prod(out_spatial))
+    if isinstance(count, int):
+        return max(numerator / max(count, 1), floor)
+    return torch.clamp_min(numerator / count.clamp_min(1.0), floor)

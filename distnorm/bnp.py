@@ -34,23 +34,33 @@ preconditioning; an L2 term in the loss is preconditioned with the rest.
 
 Only training-mode forwards with gradients enabled update the statistics and precondition;
 ``torch.no_grad()`` and ``eval()`` forwards leave everything untouched.
+
+Each layer keeps its own ``forward``, so subclasses that pad, standardize or otherwise
+transform their weight (timm's ``Conv2dSame``, ``StdConv2d``) behave as before: hooks give
+the forward an alias of the weight whose gradient is preconditioned, and ``q²`` is taken
+from the output the layer really produced. A layer whose forward never runs (the
+``out_proj`` of ``nn.MultiheadAttention``) is refused with an error naming it.
+
+Activation checkpointing: a recomputed forward reuses the first forward's statistics, so
+the moments are updated once per step (:mod:`distnorm._recompute`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
-import types
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from distnorm import _collectives
+from distnorm import _collectives, _ops
+from distnorm import functional as F
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import BNPGradientFunction
+from distnorm._functions import BNPGradientFunction, bnp_q2
+from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm._wrappers import refuse_wrapped
 
 __all__ = ["BNPConfig", "BNPHandle", "attach", "SUPPORTED_LAYERS"]
@@ -81,19 +91,180 @@ class BNPConfig:
             raise ValueError("bnp: eps1 and eps2 cannot both be 0 (var_t could be 0 and divide by zero)")
 
 
-@dataclass
+class _Q2:
+    """``q²`` of one forward: known once the layer's output exists (forward hook), read by
+    the gradient transform in the backward."""
+
+    __slots__ = ("q2", "stashed")
+
+    def __init__(self, stashed: StashedPlan | None) -> None:
+        self.q2: torch.Tensor | float | None = None
+        self.stashed = stashed  # the autograd node holds the holder: the stashed plan lives as long
+
+
+@dataclass(eq=False)
 class _LayerState:
     """What BNP keeps per preconditioned layer (stored as ``module._distnorm_bnp``)."""
 
     name: str
     config: BNPConfig
-    group: ProcessGroup | None
+    process_group: ProcessGroup | None
     added_bias: bool
-    instance_forward: Any  # a forward the instance had before (rare), restored on detach
+    dense: bool
+    fan_in: int  # per-group input channels x kernel size
+    groups: int
+    hooks: list = field(default_factory=list)
+    stash: Stash = field(default_factory=Stash)
+    pending: StashedPlan | None = None
+    holder: _Q2 | None = None
+    count: Any = None
+    in_spatial: tuple[int, ...] = ()
+    active: Any = None  # (mean, var_t, q2) during a training forward
+    aliases: Any = None  # the preconditioned (weight, bias) of that forward
+    called: bool = False
+    key: int = -1
+
+    def group(self) -> ProcessGroup | None:
+        return _collectives.sync_group(self.process_group)
 
 
-def _conv_out_spatial(module: nn.Module, in_spatial: tuple[int, ...]) -> tuple[int, ...]:
-    """Output spatial size of a Conv{1,2,3}d for an input of spatial size ``in_spatial``."""
+@torch.no_grad()
+def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Tensor, state: _LayerState,
+                     replay: bool = True) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """One BNP statistics step on a layer input ``h``; returns ``(mean, var_t, count)``.
+
+    ``mean <- rho mean + (1 - rho) mean_H``, ``var <- rho var + (1 - rho) var_H`` (buffers,
+    updated in place once per step) and ``var_t = var + eps1 max(var) + eps2``. A
+    recomputed forward (activation checkpointing) reuses the first forward's result; when
+    there was none — the first pass of reentrant checkpointing runs without gradients,
+    where BNP does nothing — this is the step's only statistics pass.
+    """
+    if replay and in_backward() and len(state.stash):
+        return state.stash.pop(h.shape, f"BNP '{state.name}'")
+    moments = _collectives.global_moments(h, state.group(), layer=f"BNP '{state.name}'")
+    count, batch_mean, batch_var, _ = moments
+    local = h.numel() // h.shape[1] if h.shape[1] else 0
+    cfg = state.config
+    weight = 1.0 - cfg.momentum
+    batch_mean = batch_mean.to(mean_buf.dtype)
+    if local <= 1:
+        # A global batch of one value per feature: the variance is measured around the
+        # running mean instead (paper 004 §3.3); an all-empty batch changes nothing.
+        counts = torch.as_tensor(count, dtype=mean_buf.dtype, device=mean_buf.device)
+        batch_var = torch.where(counts == 1, (batch_mean - mean_buf) ** 2, batch_var.to(var_buf.dtype))
+        weight = weight * (counts > 0).to(mean_buf.dtype)
+    new_mean = mean_buf.lerp(batch_mean, weight)
+    new_var = var_buf.lerp(batch_var.to(var_buf.dtype), weight)
+    mean_buf.copy_(new_mean)
+    var_buf.copy_(new_var)
+    var_t = torch.add(new_var, new_var.max(), alpha=cfg.eps1).add_(cfg.eps2)
+    result = (new_mean, var_t, count if isinstance(count, int) else count[0])
+    if replay:
+        stashed = StashedPlan(result, h.shape)
+        state.stash.push(stashed, grad_enabled=True)
+        state.pending = stashed
+    return result
+
+
+def _pre_forward(module: nn.Module, args: tuple) -> None:
+    """Before the layer's own forward: this step's statistics (one collective).
+
+    The layer keeps its own ``forward`` (a subclass's too). During the call, its
+    ``weight`` and ``bias`` attributes read aliases returned by
+    :class:`~distnorm._functions.BNPGradientFunction`, whose backward preconditions the
+    gradient on its way to the Parameters (see :func:`_preconditioned_class`). The aliases
+    are made at the first read inside the forward, after every other pre-forward hook —
+    DeepSpeed ZeRO-3 gathers partitioned parameters in one of those.
+    """
+    state: _LayerState = module._distnorm_bnp
+    state.called = True
+    state.active = None
+    if not (module.training and torch.is_grad_enabled()):
+        return
+    for buf in BUFFERS:  # keep the moments float32 after model.half() / .bfloat16()
+        if module._buffers[buf].dtype in (torch.float16, torch.bfloat16):
+            module._buffers[buf] = module._buffers[buf].float()
+    x = args[0]
+    h = x.reshape(-1, x.shape[-1]) if state.dense else x
+    mean, var_t, count = _ops.bnp_statistics(F.no_grad_input(h),
+                                             module.bnp_mean, module.bnp_var, state)
+    state.count, state.in_spatial = count, tuple(x.shape[2:])
+    if torch.compiler.is_compiling():
+        # The compiled backward is traced now, so q² must be known now: nn.ConvNd's output
+        # size (checked against the real output in _post_forward).
+        state.holder = None
+        q2: Any = bnp_q2(count, state.fan_in, state.in_spatial, _expected_out_spatial(module, x))
+    else:
+        q2 = state.holder = _Q2(state.pending)
+    state.pending = None
+    state.active = (mean, var_t, q2)
+
+
+def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The preconditioned aliases of this forward, made once at the first read."""
+    state: _LayerState = module.__dict__["_distnorm_bnp"]
+    if state.aliases is None:
+        mean, var_t, q2 = state.active
+        params = module._parameters
+        state.aliases = BNPGradientFunction.apply(params["weight"], params.get("bias"), mean, var_t, q2, state.groups)
+    return state.aliases
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    state = module.__dict__.get("_distnorm_bnp")
+    if state is None or state.active is None:
+        return module._parameters["weight"]
+    return _aliases(module)[0]
+
+
+def _bias(module: nn.Module) -> torch.Tensor | None:
+    state = module.__dict__.get("_distnorm_bnp")
+    if state is None or state.active is None:
+        return module._parameters.get("bias")
+    return _aliases(module)[1]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _preconditioned_class(cls: type) -> type:
+    """``cls`` with ``weight`` / ``bias`` properties: the Parameters, or during a training
+    forward their preconditioned aliases — the way ``torch.nn.utils.parametrize`` changes
+    a layer's weight without replacing its ``forward``. The Parameters, the state dict and
+    the optimizer are untouched; ``isinstance`` and the class name are kept."""
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (cls,), {
+            "weight": property(_weight), "bias": property(_bias),
+            "__module__": cls.__module__, "_distnorm_original_class": cls,
+        })
+    return _CLASSES[cls]
+
+
+def _post_forward(module: nn.Module, args: tuple, output: Any) -> None:
+    """After the forward (also after an exception): drop the aliases; ``q²`` from the
+    output's real spatial size (exact for subclasses that pad or reshape)."""
+    state: _LayerState = module._distnorm_bnp
+    state.active = state.aliases = None
+    holder, state.holder = state.holder, None
+    if not isinstance(output, torch.Tensor) or state.count is None:
+        return
+    out_spatial = None if state.dense else tuple(output.shape[2:])
+    if holder is not None:
+        holder.q2 = bnp_q2(state.count, state.fan_in, state.in_spatial, out_spatial)
+    elif out_spatial is not None and out_spatial != _expected_out_spatial(module, args[0]):
+        raise RuntimeError(
+            f"BNP '{state.name}': under torch.compile, q² is computed before the forward from nn.ConvNd's "
+            f"output size, but {type(module).__name__}'s own forward produced spatial size {out_spatial}. "
+            f"Exclude the layer from BNP (exclude=[{state.name!r}]) or run it without torch.compile."
+        )
+    state.count = None
+
+
+def _expected_out_spatial(module: nn.Module, x: torch.Tensor) -> tuple[int, ...] | None:
+    """Output spatial size of ``nn.ConvNd``'s own forward for input ``x`` (None: dense)."""
+    if isinstance(module, nn.Linear):
+        return None
+    in_spatial = tuple(x.shape[2:])
     if module.padding == "same":
         return in_spatial
     padding = (0,) * len(in_spatial) if module.padding == "valid" else module.padding
@@ -101,50 +272,6 @@ def _conv_out_spatial(module: nn.Module, in_spatial: tuple[int, ...]) -> tuple[i
         (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
         for size, pad, dil, k, stride in zip(in_spatial, padding, module.dilation, module.kernel_size, module.stride)
     )
-
-
-def _update_and_precondition_args(module: nn.Module, x: torch.Tensor, state: _LayerState):
-    """One BNP statistics step on ``x``; returns ``(mean, var_t, q2)`` for the backward."""
-    conv = not isinstance(module, nn.Linear)
-    h = x if conv else x.reshape(-1, x.shape[-1])
-    moments = _collectives.global_moments(h, state.group, layer=f"BNP '{state.name}'")
-    for buf in BUFFERS:  # keep the moments float32 after model.half() / .bfloat16()
-        if module._buffers[buf].dtype in (torch.float16, torch.bfloat16):
-            module._buffers[buf] = module._buffers[buf].float()
-    mean_buf, var_buf = module.bnp_mean, module.bnp_var
-    with torch.no_grad():
-        count = moments.count
-        # Global batch of a single value per feature: the variance is measured around the
-        # running mean instead (paper 004 §3.3). Moments are float64; buffers float32.
-        var_h = torch.where(count == 1, (moments.mean - mean_buf.double()) ** 2, moments.var)
-        weight = (1.0 - state.config.momentum) * (count > 0).double()
-        mean_buf.lerp_(moments.mean.to(mean_buf.dtype), weight.to(mean_buf.dtype))
-        var_buf.lerp_(var_h.to(var_buf.dtype), weight.to(var_buf.dtype))
-        var_t = var_buf + state.config.eps1 * var_buf.max() + state.config.eps2
-
-        weight_shape = module.weight.shape
-        fan_in = math.prod(weight_shape[1:])  # per-group input channels x kernel size
-        if conv:
-            in_spatial = tuple(x.shape[2:])
-            samples = count / max(math.prod(in_spatial), 1)
-            floor = math.sqrt(math.prod(_conv_out_spatial(module, in_spatial)))
-        else:
-            samples, floor = count, 1.0
-        q2 = torch.clamp_min(fan_in / samples.clamp_min(1.0), floor)
-    return mean_buf.clone(), var_t, q2
-
-
-def _bnp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Replacement ``forward`` of a preconditioned layer (bound to the instance)."""
-    state: _LayerState = self._distnorm_bnp
-    weight, bias = self.weight, self.bias
-    if self.training and torch.is_grad_enabled():
-        mean, var_t, q2 = _update_and_precondition_args(self, x, state)
-        groups = getattr(self, "groups", 1)
-        weight, bias = BNPGradientFunction.apply(weight, bias, mean, var_t, q2, groups)
-    if isinstance(self, nn.Linear):
-        return nn.functional.linear(x, weight, bias)
-    return self._conv_forward(x, weight, bias)
 
 
 class BNPHandle:
@@ -155,10 +282,11 @@ class BNPHandle:
         layers: qualified name → preconditioned module.
     """
 
-    def __init__(self, model: nn.Module, config: BNPConfig, layers: dict[str, nn.Module]):
+    def __init__(self, model: nn.Module, config: BNPConfig, layers: dict[str, nn.Module], root_hook: Any):
         self._model = model
         self.config = config
         self.layers = layers
+        self._root_hook = root_hook
         self._attached = True
 
     def __repr__(self) -> str:
@@ -174,12 +302,12 @@ class BNPHandle:
         if not self._attached:
             return
         changed = []
+        self._root_hook.remove()
         for name, module in self.layers.items():
             state: _LayerState = module._distnorm_bnp
-            if state.instance_forward is None:
-                del module.forward
-            else:
-                module.forward = state.instance_forward
+            for hook in state.hooks:
+                hook.remove()
+            module.__class__ = module._distnorm_original_class
             for buf in BUFFERS:
                 del module._buffers[buf]
             if state.added_bias:
@@ -286,13 +414,20 @@ def attach(
                 f"BNP supports {supported} (and their subclasses). Remove it from layers=."
             )
     exclude = list(exclude)
-    group = _collectives.sync_group(process_group)
 
     chosen = {
         name: module
         for name, module in model.named_modules()
         if isinstance(module, layers) and not _excluded(name, module, exclude)
     }
+    bypassed = [f"{name}.out_proj" if name else "out_proj" for name, m in model.named_modules()
+                if isinstance(m, nn.MultiheadAttention) and (f"{name}.out_proj" if name else "out_proj") in chosen]
+    if bypassed:
+        raise ValueError(
+            f"bnp: cannot precondition {bypassed}: nn.MultiheadAttention uses out_proj's weight directly and "
+            "never calls its forward, so its gradient would silently go unpreconditioned. Leave them out "
+            f"with exclude={bypassed!r}."
+        )
     already = [name for name, m in chosen.items() if hasattr(m, "_distnorm_bnp")]
     if already:
         raise ValueError(
@@ -314,9 +449,36 @@ def attach(
         module.register_buffer("bnp_mean", torch.zeros(in_channels, **kw))
         module.register_buffer("bnp_var", torch.ones(in_channels, **kw))
         module._distnorm_buffers = BUFFERS  # checked by distnorm.check_consistency
-        module._distnorm_bnp = _LayerState(
-            name=name or "<root>", config=config, group=group, added_bias=added_bias,
-            instance_forward=module.__dict__.get("forward"),
+        state = _LayerState(
+            name=name or "<root>", config=config, process_group=process_group, added_bias=added_bias,
+            dense=isinstance(module, nn.Linear), fan_in=math.prod(weight.shape[1:]),
+            groups=getattr(module, "groups", 1),
         )
-        module.forward = types.MethodType(_bnp_forward, module)
-    return BNPHandle(model, config, chosen)
+        _ops.register(state)
+        state.hooks = [module.register_forward_pre_hook(_pre_forward),
+                       module.register_forward_hook(_post_forward, always_call=True)]
+        module._distnorm_bnp = state
+        module.__class__ = _preconditioned_class(type(module))
+    root_hook = model.register_forward_hook(_FirstForwardCheck(chosen))
+    return BNPHandle(model, config, chosen, root_hook)
+
+
+class _FirstForwardCheck:
+    """After the model's first training forward: refuse preconditioned layers whose forward
+    never ran (their weights are used some other way, so BNP would silently not apply)."""
+
+    def __init__(self, layers: dict[str, nn.Module]):
+        self.layers = layers
+        self.done = False
+
+    def __call__(self, model: nn.Module, args: tuple, output: Any) -> None:
+        if self.done or not (model.training and torch.is_grad_enabled()):
+            return
+        self.done = True
+        missed = [name for name, m in self.layers.items() if not m._distnorm_bnp.called]
+        if missed:
+            raise ValueError(
+                f"bnp: the forward of {missed} did not run in the model's training forward, so BNP cannot "
+                "precondition their gradients (their weights are used without calling them, or they are "
+                f"unused). Leave them out with bnp.attach(..., exclude={missed!r})."
+            )

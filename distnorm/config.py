@@ -51,6 +51,7 @@ class DistNormConfig:
     bnp_add_bias: bool = field(default=True, metadata={"help": "BNP: give bias-free layers a bias"})
     bnp_exclude: tuple[str, ...] = field(default=(), metadata={"help": "BNP: module name patterns to skip (comma separated)"})
     group_size: int | None = field(default=None, metadata={"help": "synchronize within groups of this many consecutive ranks (default: all ranks)"})
+    own_communicator: bool = field(default=False, metadata={"help": "run the layers' all-reduces on a communicator of their own, so on NCCL they do not queue behind DDP's / ZeRO's gradient buckets (one more communicator)"})
     check_every: int = field(default=200, metadata={"help": "verify buffers are identical across ranks every N training forwards (0: never)"})
     collective_timeout_s: float | None = field(default=None, metadata={"help": "timeout of the sub-groups distnorm creates (default: the default group's)"})
 

@@ -14,7 +14,6 @@ statistics, so the buffers stay bit-identical across ranks without ``broadcast_b
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distnorm import _collectives
@@ -76,20 +75,11 @@ def _rank_groups(values: list[torch.Tensor], ranks: list[int]) -> list[list[int]
     return [members for _, members in groups]
 
 
-def _all_agree(value: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Element-wise: does every rank hold the same int64 ``value``? (one MAX all-reduce)"""
-    probe = torch.cat([value, torch.bitwise_not(value)])
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-    k = value.numel()
-    return (probe[:k] == value) & (probe[k:] == torch.bitwise_not(value))
-
-
 def assert_same_across_ranks(
     text: str,
     what: str,
     process_group: ProcessGroup | None = None,
     *,
-    device: torch.device | None = None,
     error: type[Exception] = InconsistentStateError,
 ) -> None:
     """Raise ``error`` on every rank unless every rank passes the same ``text``.
@@ -100,17 +90,13 @@ def assert_same_across_ranks(
     group = _collectives.sync_group(process_group)
     if group is None:
         return
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = _collectives.group_device(group)
     value = torch.tensor([_collectives.stable_hash(text)], dtype=torch.int64, device=device)
-    if bool(_all_agree(value, group).all()):
+    if bool(_collectives.all_agree(value, group).all()):
         return
-    ranks = _collectives.group_ranks(group)
-    texts: list[str | None] = [None] * len(ranks)
-    dist.all_gather_object(texts, text, group=group)
     groups: dict[str, list[int]] = {}
-    for rank, t in zip(ranks, texts):
-        groups.setdefault(t or "", []).append(rank)
+    for rank, t in zip(_collectives.group_ranks(group), _collectives.gather_texts(text, group)):
+        groups.setdefault(t, []).append(rank)
     listing = "\n".join(f"  ranks {members}: {t[:500]}" for t, members in groups.items())
     raise error(f"{what} differs across ranks:\n{listing}")
 
@@ -140,7 +126,7 @@ def check_consistency(
     Example:
         >>> import torch, distnorm
         >>> distnorm.check_consistency(torch.nn.Sequential(distnorm.CBN(4)))
-        6
+        7
     """
     from distnorm.layers import name_layers
 
@@ -149,9 +135,7 @@ def check_consistency(
     group = _collectives.sync_group(process_group)
     if group is None:
         return len(named)
-    device = named[0][1].device if named else torch.device("cpu")
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _collectives.group_device(group)
     ranks = _collectives.group_ranks(group)
 
     layout = "\n".join(f"{n}:{t.dtype}:{tuple(t.shape)}" for n, t in named)
@@ -160,30 +144,27 @@ def check_consistency(
         "the model structure (distnorm buffer names, dtypes, shapes; every rank must build the same "
         "model with the same distnorm config)",
         group,
-        device=device,
     )
     if not named:
         return 0
 
     sums = torch.stack([_fingerprint(t).to(device) for _, t in named])
-    agree = _all_agree(sums, group)
+    agree = _collectives.all_agree(sums, group)
     if bool(agree.all()):
         return len(named)
 
+    # The layout agreed, so every suspect has the same shape and dtype on every rank and
+    # can be gathered through the tensor path.
     suspects = [named[i] for i in (~agree).nonzero().flatten().tolist()]
-    gathered: list[dict[str, torch.Tensor] | None] = [None] * len(ranks)
-    dist.all_gather_object(gathered, {n: t.detach().cpu() for n, t in suspects}, group=group)
     mismatches: dict[str, list[list[int]]] = {}
     lines = []
-    for name, _ in suspects:
-        groups = _rank_groups([g[name] for g in gathered], ranks)  # type: ignore[index]
+    for name, tensor in suspects:
+        copies = _collectives.gather_tensors(tensor, group)
+        groups = _rank_groups(copies, ranks)
         if len(groups) > 1:
             mismatches[name] = groups
-            ref = gathered[0][name].double()  # type: ignore[index]
-            worst = max(
-                (gathered[ranks.index(m[0])][name].double() - ref).abs().max().item()  # type: ignore[index]
-                for m in groups[1:]
-            )
+            ref = copies[0].double()
+            worst = max((copies[ranks.index(m[0])].double() - ref).abs().max().item() for m in groups[1:])
             lines.append(f"  {name}: ranks {' | '.join(map(str, groups))} (max |diff| vs rank {ranks[0]}: {worst:.3g})")
     if not mismatches:  # fingerprints disagreed but bits agree: impossible unless memory changed
         return len(named)

@@ -2,7 +2,10 @@
 
 Like ``torch.nn.functional.batch_norm``, these take the parameters and buffers as
 arguments and update the buffers in place when ``training`` is true. The modules in
-:mod:`distnorm.layers` own the state and call these.
+:mod:`distnorm.layers` own the state and share the same mathematics
+(:mod:`distnorm._functions`); they also know, on the host, facts these functions must
+recompute (whether AMAT is initialised), and keep the statistics activation checkpointing
+needs — use the modules for training.
 
 Synchronization: pass ``process_group`` (``None`` = default group). The functions reduce
 over it only when ``torch.distributed`` is initialised and the group has more than one
@@ -13,13 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from distnorm import _collectives
+from distnorm import _collectives, _ops
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import CompleteNormFunction, SyncBatchNormFunction, bnp_precondition, channel_affine
+from distnorm._functions import NormalizeFunction, NormState, bnp_precondition, channel_affine
 
-__all__ = ["amat_eta", "bnp_precondition", "cbn", "pop_norm", "sync_batch_norm"]
+__all__ = ["amat_eta", "bnp_precondition", "cbn", "cbn_inference", "pop_norm", "sync_batch_norm"]
 
-EVAL_STATS = ("amat", "running")
+#: Accepted values of CBN's ``eval_stats`` (SPEC §1, Eval mode).
+EVAL_STATS = ("auto", "amat", "running")
 
 
 def amat_eta(lr: float, omega: float) -> float:
@@ -46,10 +50,6 @@ def _check_input(x: torch.Tensor, num_features: int, layer: str) -> None:
         )
 
 
-def _channels(x: torch.Tensor) -> int:
-    return x.shape[1] if x.dim() >= 2 else -1
-
-
 def _check_local_batch(x: torch.Tensor, layer: str) -> None:
     # Without synchronization the batch is all there is: one value per channel has no
     # variance (PyTorch raises the same error).
@@ -58,6 +58,22 @@ def _check_local_batch(x: torch.Tensor, layer: str) -> None:
             f"{layer}: expected more than 1 value per channel when training, got input of "
             f"shape {tuple(x.shape)}; increase the batch size or put the model in eval() mode"
         )
+
+
+def no_grad_input(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What the statistics step receives. Eager: the tensor itself (the step runs under
+    ``no_grad``: no graph, no extra op). Compiled: a detached tensor, since the custom
+    operators have no autograd formula of their own."""
+    return t.detach() if t is not None and torch.compiler.is_compiling() else t
+
+
+def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+              state: NormState, statistics) -> torch.Tensor:
+    """The training path shared by modules and functions: statistics, then normalization."""
+    if state.group() is None:
+        _check_local_batch(x, state.name)
+    plan = statistics(no_grad_input(x))
+    return NormalizeFunction.apply(x, weight, bias, *plan, state)
 
 
 def sync_batch_norm(
@@ -74,6 +90,7 @@ def sync_batch_norm(
     process_group: ProcessGroup | None = None,
     sync: bool = True,
     layer: str = "sync_batch_norm",
+    state: NormState | None = None,
 ) -> torch.Tensor:
     """Batch normalization whose training statistics span every rank of ``process_group``.
 
@@ -87,20 +104,16 @@ def sync_batch_norm(
         torch.Size([8, 3, 4, 4])
     """
     expected = weight if weight is not None else running_mean
-    _check_input(x, expected.shape[0] if expected is not None else _channels(x), layer)
-    use_batch_stats = training or running_mean is None or running_var is None
-    if not use_batch_stats:
-        return torch.batch_norm(
-            x, weight, bias, running_mean, running_var, False, 0.0, eps, torch.backends.cudnn.enabled
-        )
-    group = _collectives.sync_group(process_group) if (sync and training) else None
-    if group is None:
-        _check_local_batch(x, layer)
-    if not training:  # batch statistics at evaluation: leave the running buffers alone
-        running_mean = running_var = num_batches_tracked = None
-    return SyncBatchNormFunction.apply(
-        x, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, group, layer
-    )
+    _check_input(x, expected.shape[0] if expected is not None else x.shape[1], layer)
+    if not training:
+        # PyTorch's semantics: running statistics, or this batch's when none are tracked.
+        use_batch = running_mean is None or running_var is None
+        return torch.batch_norm(x, weight, bias, running_mean, running_var, use_batch, 0.0, eps, False)
+    if state is None:
+        state = NormState("bn", layer, eps, momentum, process_group=process_group, sync=sync)
+    stats = lambda xd: _ops.bn_statistics(  # noqa: E731
+        xd, no_grad_input(weight), running_mean, running_var, num_batches_tracked, state)
+    return normalize(x, weight, bias, state, stats)
 
 
 def cbn(
@@ -115,7 +128,7 @@ def cbn(
     num_batches_tracked: torch.Tensor,
     *,
     training: bool = True,
-    eta: float = 0.0,
+    eta: float | torch.Tensor = 0.0,
     rho: float = 1.0,
     eps: float = 1e-5,
     momentum: float | None = 0.1,
@@ -124,7 +137,6 @@ def cbn(
     process_group: ProcessGroup | None = None,
     sync: bool = True,
     layer: str = "cbn",
-    stats_out: dict | None = None,
 ) -> torch.Tensor:
     """Complete batch normalization with AMAT (paper 002; SPEC §1).
 
@@ -146,42 +158,63 @@ def cbn(
         torch.Size([8, 3])
     """
     _check_input(x, weight.shape[0], layer)
+    eta_t = eta if isinstance(eta, torch.Tensor) else torch.tensor(float(eta), dtype=amat_mean.dtype, device=x.device)
     if not training:
-        return _cbn_inference(x, weight, bias, amat_mean, amat_var, running_mean, running_var,
-                              rho=rho, eps=eps, eval_stats=eval_stats, layer=layer)
-    group = _collectives.sync_group(process_group) if sync else None
-    if group is None:
-        _check_local_batch(x, layer)
-    return CompleteNormFunction.apply(
-        x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
-        num_batches_tracked, float(eta), float(rho), float(eps), momentum, float(r_max), group, layer, stats_out,
-    )
+        return cbn_inference(x, weight, bias, amat_mean, amat_var, eta_t, running_mean, running_var,
+                             num_batches_tracked, rho=rho, eps=eps, momentum=momentum, eval_stats=eval_stats,
+                             layer=layer)
+    history = bool(eta_t > 0) if isinstance(eta, torch.Tensor) else eta > 0
+    state = NormState("cbn", layer, eps, momentum, rho=rho, r_max=r_max, process_group=process_group, sync=sync,
+                      history=history)
+    stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
+        xd, no_grad_input(weight), no_grad_input(bias), amat_mean, amat_var, amat_initialized, running_mean, running_var,
+        num_batches_tracked, eta_t, state)
+    return normalize(x, weight, bias, state, stats)
 
 
-def _cbn_inference(
+def cbn_inference(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
     amat_mean: torch.Tensor,
     amat_var: torch.Tensor,
+    amat_eta: torch.Tensor,
     running_mean: torch.Tensor,
     running_var: torch.Tensor,
+    num_batches_tracked: torch.Tensor,
     *,
     rho: float,
     eps: float,
+    momentum: float | None,
     eval_stats: str,
-    layer: str,
+    layer: str = "cbn",
 ) -> torch.Tensor:
-    """CBN at evaluation: a per-channel affine map, differentiable in x, gamma and beta."""
+    """CBN at evaluation: a per-channel affine map, differentiable in x, gamma and beta.
+
+    ``"amat"``: ``(gamma/rho) (x - mu_A + beta) / sqrt(var_A + eps)``; ``"running"``:
+    ``(gamma/rho) (x - running_mean + beta) / sqrt(running_var + beta^2 + eps)`` (for a
+    centred ``x``, ``E[(x - mu + beta)^2] = var + beta^2``); ``"auto"``: the AMAT
+    statistics once they average at least as much history as the running ones — the last
+    training step had ``eta >= 1 - momentum`` (``1 - 1/num_batches_tracked`` for the
+    cumulative average) — else the running ones. The choice reads ``amat_eta``, a buffer,
+    so a model reloaded from a checkpoint evaluates as it did before saving.
+    """
+    if eval_stats not in EVAL_STATS:
+        raise ValueError(f"{layer}: eval_stats must be one of {EVAL_STATS}, got {eval_stats!r}")
     acc = _collectives.accumulate_dtype(x)
     gamma, beta = weight.to(acc), bias.to(acc)
     if eval_stats == "amat":
         mean, var = amat_mean.to(acc), amat_var.to(acc)
-    elif eval_stats == "running":
-        # For a centred x, E[(x - mu + beta)^2] = var + beta^2 (SPEC §1, eval mode).
-        mean, var = running_mean.to(acc), running_var.to(acc) + beta * beta
     else:
-        raise ValueError(f"{layer}: eval_stats must be one of {EVAL_STATS}, got {eval_stats!r}")
+        mean, var = running_mean.to(acc), torch.addcmul(running_var.to(acc), beta, beta)
+        if eval_stats == "auto":
+            if momentum is None:
+                threshold = 1.0 - num_batches_tracked.to(amat_eta.dtype).clamp_min(1.0).reciprocal()
+            else:
+                threshold = torch.tensor(1.0 - momentum, dtype=amat_eta.dtype, device=amat_eta.device)
+            use_amat = amat_eta >= threshold  # both rounded to the buffer's dtype
+            mean = torch.where(use_amat, amat_mean.to(acc), mean)
+            var = torch.where(use_amat, amat_var.to(acc), var)
     scale = gamma / rho * torch.rsqrt(var + eps)
     return channel_affine(x, scale, scale * (beta - mean))
 
@@ -215,4 +248,3 @@ def pop_norm(
         num_batches_tracked, training=training, eta=0.0, rho=kappa, eps=eps, momentum=momentum,
         eval_stats=eval_stats, process_group=process_group, sync=sync, layer=layer,
     )
-

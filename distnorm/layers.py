@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from distnorm import _ops
 from distnorm import functional as F
 from distnorm._collectives import ProcessGroup
+from distnorm._functions import NormState
 
 __all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "name_layers"]
 
@@ -42,16 +44,58 @@ def _check_num_features(owner: str, num_features: int) -> None:
         raise ValueError(f"{owner}: num_features must be a positive int, got {num_features!r}")
 
 
+def _state_field(name: str, doc: str) -> property:
+    """A module attribute stored in the layer's :class:`NormState` (one owner)."""
+
+    def get(self: "_DistNormLayer") -> Any:
+        return getattr(self._state, name)
+
+    def set_(self: "_DistNormLayer", value: Any) -> None:
+        setattr(self._state, name, value)
+
+    return property(get, set_, doc=doc)
+
+
 class _DistNormLayer(nn.Module):
-    """Shared behaviour: a readable name for errors, float32 buffers under ``.half()``."""
+    """Shared behaviour: the layer's :class:`NormState`, a readable name for errors,
+    float32 buffers under ``.half()``, and the checkpointing stash."""
 
     num_features: int
-    #: Qualified name in the model (set by :func:`name_layers`, :func:`set_lr`, conversion
-    #: and the consistency check); used in error messages and debug-mode slot fingerprints.
-    _distnorm_name: str | None = None
+    _state: NormState
+
+    eps = _state_field("eps", "added to the variance")
+    momentum = _state_field("momentum", "weight of the new batch in the running statistics (None: cumulative)")
+    process_group = _state_field("process_group", "group to synchronize over (None: the default group)")
+
+    def _init_state(self, kind: str, **fields: Any) -> None:
+        self._state = NormState(kind, f"{type(self).__name__}({self.num_features})", **fields)
+        _ops.register(self._state)
+
+    @property
+    def _distnorm_name(self) -> str:
+        """Qualified name in the model (set by :func:`name_layers`, :func:`set_lr`,
+        conversion and the consistency check); used in error messages and debug-mode slot
+        fingerprints."""
+        return self._state.name
+
+    @_distnorm_name.setter
+    def _distnorm_name(self, value: str) -> None:
+        self._state.name = value
+        self._named = True
+
+    _named = False  # whether a qualified name was recorded
 
     def _layer_name(self) -> str:
-        return self._distnorm_name or f"{type(self).__name__}({self.num_features})"
+        return self._state.name
+
+    def __setstate__(self, state: dict) -> None:  # unpickled / deep-copied modules get their own key
+        super().__setstate__(state)
+        _ops.register(self._state)
+
+    def train(self, mode: bool = True) -> "_DistNormLayer":
+        # A train()/eval() switch ends any reentrant-checkpointing recomputation still pending.
+        self._state.stash.drop_detached()
+        return super().train(mode)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "_DistNormLayer":
         # model.half() / .to(bfloat16) would round the statistics buffers to 8-11 mantissa
@@ -65,6 +109,13 @@ class _DistNormLayer(nn.Module):
 
 class _CompleteNorm(_DistNormLayer):
     """Common implementation of :class:`CBN` and :class:`POPNorm`."""
+
+    # Version 2 added the `amat_eta` buffer (eval_stats="auto").
+    _version = 2
+
+    rho = _state_field("rho", "normalization magnitude (kappa for POP-Norm)")
+    r_max = _state_field("r_max", "clamp of the stop-gradient ratios")
+    sync = _state_field("sync", "synchronize statistics across ranks")
 
     def __init__(
         self,
@@ -91,38 +142,45 @@ class _CompleteNorm(_DistNormLayer):
         if not (isinstance(r_max, (int, float)) and r_max >= 1.0):
             raise ValueError(f"{owner}: r_max must be >= 1 (ratios are clamped to [1/r_max, r_max]), got {r_max!r}")
         if eval_stats is None:
-            eval_stats = "amat" if amat else "running"
+            eval_stats = "auto" if amat else "running"
         if eval_stats not in F.EVAL_STATS:
             raise ValueError(f"{owner}: eval_stats must be one of {F.EVAL_STATS} or None, got {eval_stats!r}")
 
         self.num_features = num_features
-        self.rho = float(rho)
+        self._init_state("cbn", eps=float(eps), momentum=momentum, rho=float(rho), r_max=float(r_max),
+                         process_group=process_group, sync=bool(sync))
         self.amat = bool(amat)
         self.omega = float(omega)
-        self.eps = float(eps)
-        self.momentum = momentum
-        self.r_max = float(r_max)
         self.eval_stats = eval_stats
-        self.sync = bool(sync)
-        self.process_group = process_group
         self.lr: float | None = None
-        #: Set to a dict by distnorm.monitors to receive the last training batch's statistics.
-        self.stats_sink: dict | None = None
 
         self.weight = nn.Parameter(torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
         self.register_buffer("amat_mean", torch.zeros(num_features))
         self.register_buffer("amat_var", torch.ones(num_features))
         self.register_buffer("amat_initialized", torch.tensor(False))
+        #: AMAT's eta in force (set by set_lr), read by the training forward and by
+        #: eval_stats="auto"; a tensor so that a changing learning rate never recompiles.
+        self.register_buffer("amat_eta", torch.tensor(0.0))
         self.register_buffer("running_mean", torch.zeros(num_features))
         self.register_buffer("running_var", torch.ones(num_features))
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    @property
+    def stats_sink(self) -> dict | None:
+        """Set to a dict by :mod:`distnorm.monitors` to receive the last batch statistics."""
+        return self._state.stats_sink
+
+    @stats_sink.setter
+    def stats_sink(self, sink: dict | None) -> None:
+        self._state.stats_sink = sink
 
     def reset_running_stats(self) -> None:
         """Reset the running and AMAT statistics (AMAT re-initialises from the next batch)."""
         self.amat_mean.zero_()
         self.amat_var.fill_(1.0)
         self.amat_initialized.fill_(False)
+        self._state.amat_ready = False
         self.running_mean.zero_()
         self.running_var.fill_(1.0)
         self.num_batches_tracked.zero_()
@@ -142,6 +200,9 @@ class _CompleteNorm(_DistNormLayer):
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"{self._layer_name()}: learning rate must be finite and >= 0, got {lr!r}")
         self.lr = lr
+        eta = self.eta
+        self.amat_eta.fill_(eta)
+        self._state.history = eta > 0.0
 
     @property
     def eta(self) -> float:
@@ -150,9 +211,32 @@ class _CompleteNorm(_DistNormLayer):
             return 0.0
         return F.amat_eta(self.lr, self.omega)
 
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+        version = local_metadata.get("version")
+        key = prefix + "amat_eta"
+        if (version is None or version < 2) and key not in state_dict:
+            # Saved before eval_stats="auto" existed: those layers evaluated with the AMAT
+            # statistics, which eta = 1 keeps them doing.
+            state_dict[key] = torch.tensor(1.0 if self.amat else 0.0)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        # Host-side facts follow the loaded buffers (one read at load time, not per step).
+        self._state.amat_ready = bool(self.amat_initialized)
+        self._state.history = self.amat and float(self.amat_eta) > 0.0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _warned_no_lr
-        if self.training and self.amat and self.lr is None and not _warned_no_lr:
+        F._check_input(x, self.num_features, self._state.name)
+        if not self.training:
+            return F.cbn_inference(
+                x, self.weight, self.bias, self.amat_mean, self.amat_var, self.amat_eta, self.running_mean,
+                self.running_var, self.num_batches_tracked, rho=self.rho, eps=self.eps, momentum=self.momentum,
+                eval_stats=self.eval_stats, layer=self._state.name,
+            )
+        # is_compiling() first: reading the Python float ``self.lr`` inside a compiled region
+        # would guard on its value and recompile at every learning-rate change.
+        if not torch.compiler.is_compiling() and self.amat and self.lr is None and not _warned_no_lr:
             _warned_no_lr = True
             warnings.warn(
                 f"{self._layer_name()}: AMAT has no learning rate yet, so it uses eta=0 (plain "
@@ -160,14 +244,10 @@ class _CompleteNorm(_DistNormLayer):
                 "current learning rate before each training step.",
                 stacklevel=2,
             )
-        return F.cbn(
-            x, self.weight, self.bias, self.amat_mean, self.amat_var, self.amat_initialized,
-            self.running_mean, self.running_var, self.num_batches_tracked,
-            training=self.training, eta=self.eta, rho=self.rho, eps=self.eps,
-            momentum=self.momentum, r_max=self.r_max, eval_stats=self.eval_stats,
-            process_group=self.process_group, sync=self.sync, layer=self._layer_name(),
-            stats_out=self.stats_sink,
-        )
+        stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
+            xd, F.no_grad_input(self.weight), F.no_grad_input(self.bias), self.amat_mean, self.amat_var, self.amat_initialized,
+            self.running_mean, self.running_var, self.num_batches_tracked, self.amat_eta, self._state)
+        return F.normalize(x, self.weight, self.bias, self._state, stats)
 
 
 class CBN(_CompleteNorm):
@@ -194,14 +274,16 @@ class CBN(_CompleteNorm):
         eps: added to the variance.
         momentum: factor of the running statistics (``None``: cumulative average).
         r_max: clamp of the stop-gradient ratios.
-        eval_stats: statistics at evaluation, ``"amat"`` (default with AMAT) or
-            ``"running"`` (default without).
+        eval_stats: statistics at evaluation: ``"auto"`` (default with AMAT) uses the AMAT
+            statistics once they average at least as much history as the running ones
+            (the last training step had ``eta >= 1 - momentum``) and the running ones
+            before; ``"amat"`` or ``"running"`` (default without AMAT) force one.
         sync: synchronize statistics across ranks (when distributed with > 1 rank).
         process_group: group to synchronize over (default: the default group).
 
     Parameters ``weight`` (gamma) and ``bias`` (beta); buffers ``amat_mean``,
-    ``amat_var``, ``amat_initialized``, ``running_mean``, ``running_var``,
-    ``num_batches_tracked``.
+    ``amat_var``, ``amat_initialized``, ``amat_eta`` (the eta in force), ``running_mean``,
+    ``running_var``, ``num_batches_tracked``.
 
     Example:
         >>> import torch, distnorm
@@ -309,11 +391,9 @@ class SyncBatchNorm(_DistNormLayer):
         if momentum is None and not track_running_stats:
             momentum = 0.0  # unused
         self.num_features = num_features
-        self.eps = float(eps)
-        self.momentum = momentum
+        self._init_state("bn", eps=float(eps), momentum=momentum, process_group=process_group)
         self.affine = bool(affine)
         self.track_running_stats = bool(track_running_stats)
-        self.process_group = process_group
         if self.affine:
             self.weight = nn.Parameter(torch.ones(num_features))
             self.bias = nn.Parameter(torch.zeros(num_features))
@@ -344,8 +424,8 @@ class SyncBatchNorm(_DistNormLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.sync_batch_norm(
             x, self.running_mean, self.running_var, self.weight, self.bias, self.num_batches_tracked,
-            training=self.training, momentum=self.momentum, eps=self.eps,
-            process_group=self.process_group, layer=self._layer_name(),
+            training=self.training, momentum=self.momentum, eps=self.eps, layer=self._state.name,
+            state=self._state,
         )
 
     def extra_repr(self) -> str:
@@ -393,7 +473,7 @@ def set_lr(model: nn.Module, lr: float) -> int:
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, _CompleteNorm):
-            if module._distnorm_name is None:
+            if not module._named:
                 module._distnorm_name = f"{type(module).__name__} '{name or '<root>'}'"
             if module.amat:
                 module.set_lr(lr)

@@ -95,6 +95,9 @@ class DistNormPlugin:
         self.config = config if config is not None else DistNormConfig()
         self.model = model
         self.group = _subgroup(self.config.group_size, self.config.collective_timeout_s) if self.config.group_size else None
+        if self.config.own_communicator and self.group is None:
+            # group_size already gives the layers communicators of their own
+            self.group = _collectives.norm_group()
         self._config_checked = False
         self._verify_config()
         cfg = self.config
@@ -181,6 +184,10 @@ class DistNormPlugin:
         return check_consistency(self.model, self.group)
 
     # ------------------------------------------------------------- per step
+    # Runs eagerly even inside ``torch.compile(model)``: the learning rate is a Python float
+    # that changes every step, and tracing it would recompile the model at every change. The
+    # layers read it from their ``amat_eta`` buffer, which the compiled graph takes as input.
+    @torch.compiler.disable
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
             return

@@ -31,6 +31,14 @@ def test_bench_layers_quick(tmp_path):
     counts = result["collectives_2_ranks"]["per_layer_per_step"]
     assert {name: (c["forward"], c["backward"]) for name, c in counts.items()} == {
         "cbn": (1, 1), "popnorm": (1, 1), "syncbn": (1, 1)}
+    # the op counts the README reports: within the budgets of tests/test_gpu_paths.py, no host sync
+    from tests.test_gpu_paths import BUDGET
+
+    local = result["shapes"][0]["dispatched_ops_per_step"]
+    assert local["batchnorm2d"] == {"ops": 7, "host_syncs": 0}
+    assert local["cbn"]["ops"] <= BUDGET["cbn", "history"][0] and local["syncbn"]["ops"] <= BUDGET["syncbn", "no_history"][0]
+    assert counts["cbn"]["dispatched_ops"]["ops"] <= BUDGET["cbn", "history"][1]
+    assert all(c["dispatched_ops"]["host_syncs"] == 0 for c in counts.values())
     assert result["machine"]["torch"]
 
 
@@ -55,12 +63,22 @@ def test_bench_data_quick(tmp_path):
 @pytest.mark.timeout(900)
 def test_bench_step_quick(tmp_path):
     result = _run("step.py", tmp_path)
-    keys = {f"step_{v}_vs_local_bn{s}" for v in ("cbn", "popnorm", "syncbn", "bnp") for s in ("", "_resnet20")}
+    keys = {f"step_{v}_vs_local_bn{s}" for v in ("cbn", "popnorm", "syncbn", "naive_syncbn", "bnp")
+            for s in ("", "_resnet20")}
+    keys |= {f"step_{v}_vs_{peer}{s}" for v in ("cbn", "syncbn") for peer in ("naive_syncbn", "floor")
+             for s in ("", "_resnet20")}
     assert set(result["ratios"]) == keys and all(v > 0 for v in result["ratios"].values())
     counts = result["models"]["resnet20"]["distnorm_collectives_per_step"]
     # one forward + one backward collective per synchronized layer (19 pre-op CBNs, of which the
     # first sees the image and needs no input gradient); one per BNP layer (20)
     assert counts["cbn"]["collectives"] == 2 * 19 - 1 and counts["bnp"]["collectives"] == 20
+    # the peer synchronizes the same 19 BatchNorms with the same count (its first layer's input
+    # needs a gradient: it follows a conv)
+    assert counts["naive_syncbn"]["collectives"] == counts["syncbn"]["collectives"] == 2 * 19
+    r = result["models"]["resnet20"]
+    for v in ("cbn", "syncbn"):
+        floor = r["median_step_ms"]["local_bn"] + counts[v]["collectives"] * result["small_all_reduce_latency_ms"]
+        assert r["collective_floor_ms"][v] == pytest.approx(floor, rel=1e-2)
     assert result["small_all_reduce_latency_ms"] > 0
 
 

@@ -87,5 +87,5 @@ def test_structural_mismatch_is_an_error_not_a_hang(tmp_path):
 
 def test_check_consistency_local_is_a_count():
     model = nn.Sequential(distnorm.CBN(4), nn.Linear(4, 4), distnorm.SyncBatchNorm(4))
-    assert distnorm.check_consistency(model) == 6 + 3
-    assert distnorm.check_consistency(model, parameters=True) == 6 + 3 + 6
+    assert distnorm.check_consistency(model) == 7 + 3  # CBN: 7 buffers (amat_eta included)
+    assert distnorm.check_consistency(model, parameters=True) == 7 + 3 + 6

@@ -83,3 +83,19 @@ def test_nccl_two_ranks_equal_one_process(tmp_path, kind, splits):
     out = run_distributed(_equivalence_worker, 2, tmp_path, kind, splits, (3, 3), LRS,
                           device="cuda", backend="nccl")
     _assert_bit_identical(out)
+
+
+@needs_gpu
+def test_cuda_compile_equals_eager():
+    """torch.compile (inductor, fullgraph) of every layer kind and BNP equals eager on CUDA."""
+    from tests.test_gpu_paths import _check_compile, _compile_run
+
+    _check_compile(_compile_run(device="cuda"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_cuda_checkpointing_updates_buffers_once(use_reentrant):
+    from tests.test_gpu_paths import _checkpoint_run
+
+    _checkpoint_run(use_reentrant, device="cuda")  # equal to the plain run, buffers updated once

@@ -197,5 +197,5 @@ def _count_worker(rank, world):
 def test_one_collective_forward_one_backward(tmp_path):
     counts = run_distributed(_count_worker, 2, tmp_path)[0]
     for name, (fwd, bwd) in counts.items():
-        assert fwd == [(2 * 5 + 1,)], (name, fwd)
-        assert bwd == [(2 * 5,)], (name, bwd)
+        assert fwd == [(3, 5)], (name, fwd)  # per channel: sum, sum of squares, count
+        assert bwd == [(2, 5)], (name, bwd)  # per channel: sum(g), sum(g * xhat)

@@ -1,0 +1,167 @@
+"""The statistics and backward steps as PyTorch custom operators, for ``torch.compile``.
+
+Eager mode calls the functions of :mod:`distnorm._functions` directly. Under
+``torch.compile`` the same functions run as opaque custom operators
+(``torch.ops.distnorm.*``) that declare which buffers they mutate. That is what makes the
+compiled model equal the eager one: the compiler cannot recompute the statistics from
+buffers the step has already updated, cannot move a collective, and saves the plan for the
+backward instead of re-deriving it. Inside, the operators run the eager code at run time,
+so host-side decisions (synchronize or not, skip the masked path) are made per call,
+never baked into a graph.
+
+A layer's :class:`~distnorm._functions.NormState` reaches an operator as an integer key
+(operator schemas take tensors and scalars only); :func:`register` hands out keys and
+holds the states weakly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from distnorm import _functions
+from distnorm._functions import NormPlan, NormState
+
+__all__ = ["bn_statistics", "bnp_statistics", "cbn_statistics", "normalize_backward", "register", "state_of"]
+
+_STATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def register(state: object) -> int:
+    """The key under which the custom operators find ``state`` (assigned once)."""
+    key = getattr(state, "key", -1)
+    if key < 0 or _STATES.get(key) is not state:
+        key = next(_KEYS)
+        _STATES[key] = state
+        state.key = key  # type: ignore[attr-defined]
+    return key
+
+
+def state_of(key: int) -> object:
+    state = _STATES.get(key)
+    if state is None:
+        raise RuntimeError(f"distnorm: no layer is registered under key {key} (was it garbage-collected?)")
+    return state
+
+
+def _fresh(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Custom operator outputs must not alias one another or anything else: copy them."""
+    return tuple(t.clone() for t in tensors)
+
+
+# ---------------------------------------------------------------- statistics operators
+@torch.library.custom_op(
+    "distnorm::bn_statistics", mutates_args=("running_mean", "running_var", "num_batches_tracked"))
+def _bn_statistics_op(x: Tensor, weight: Optional[Tensor], running_mean: Optional[Tensor],
+                      running_var: Optional[Tensor], num_batches_tracked: Optional[Tensor],
+                      key: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    plan = _functions.bn_statistics(x, weight, running_mean, running_var, num_batches_tracked,
+                                    state_of(key), replay=False)
+    return _fresh(tuple(plan))
+
+
+@_bn_statistics_op.register_fake
+def _(x, weight, running_mean, running_var, num_batches_tracked, key):
+    return _fake_plan(x, beta_coef=False)
+
+
+@torch.library.custom_op(
+    "distnorm::cbn_statistics",
+    mutates_args=("amat_mean", "amat_var", "amat_initialized", "running_mean", "running_var", "num_batches_tracked"))
+def _cbn_statistics_op(x: Tensor, weight: Tensor, bias: Tensor, amat_mean: Tensor, amat_var: Tensor,
+                       amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor,
+                       num_batches_tracked: Tensor, amat_eta: Tensor,
+                       key: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    plan = _functions.cbn_statistics(x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean,
+                                     running_var, num_batches_tracked, amat_eta, state_of(key), replay=False)
+    return _fresh(tuple(plan))
+
+
+@_cbn_statistics_op.register_fake
+def _(x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
+      num_batches_tracked, amat_eta, key):
+    return _fake_plan(x, beta_coef=True)
+
+
+def _fake_plan(x: Tensor, *, beta_coef: bool) -> tuple[Tensor, ...]:
+    channels = x.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    vec = lambda *shape: x.new_empty(shape, dtype=acc)  # noqa: E731
+    return (vec(channels), vec(channels), vec(channels), vec(channels), vec(2, 2, channels),
+            vec(channels) if beta_coef else vec(0))
+
+
+@torch.library.custom_op("distnorm::normalize_backward", mutates_args=())
+def _normalize_backward_op(grad_out: Tensor, x: Tensor, center: Tensor, invstd: Tensor, grad_scale: Tensor,
+                           grad_coef: Tensor, beta_coef: Tensor, need_input_grad: bool,
+                           key: int) -> tuple[Tensor, Tensor, Tensor]:
+    grads = _functions.normalize_backward(grad_out, x, center, invstd, grad_scale, grad_coef, beta_coef,
+                                          need_input_grad, state_of(key))
+    return _fresh(grads)
+
+
+@_normalize_backward_op.register_fake
+def _(grad_out, x, center, invstd, grad_scale, grad_coef, beta_coef, need_input_grad, key):
+    channels = x.shape[1]
+    grad_x = torch.empty_like(x) if need_input_grad else x.new_empty(0)
+    return grad_x, center.new_empty(channels), center.new_empty(channels)
+
+
+@torch.library.custom_op("distnorm::bnp_statistics", mutates_args=("mean", "var"))
+def _bnp_statistics_op(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
+    from distnorm import bnp
+
+    new_mean, var_t, count = bnp.layer_statistics(h, mean, var, state_of(key), replay=False)
+    if not isinstance(count, Tensor):  # a host count (local statistics): an operator returns tensors
+        count = torch.tensor(float(count), dtype=new_mean.dtype, device=new_mean.device)
+    return _fresh((new_mean, var_t, count))
+
+
+@_bnp_statistics_op.register_fake
+def _(h, mean, var, key):
+    return mean.new_empty(mean.shape), var.new_empty(var.shape), mean.new_empty(())
+
+
+# --------------------------------------------------------------- eager or operator
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def bn_statistics(x: Tensor, weight: Tensor | None, running_mean: Tensor | None, running_var: Tensor | None,
+                  num_batches_tracked: Tensor | None, state: NormState) -> NormPlan:
+    if _compiling():
+        return NormPlan(*torch.ops.distnorm.bn_statistics(x, weight, running_mean, running_var,
+                                                          num_batches_tracked, state.key))
+    return _functions.bn_statistics(x, weight, running_mean, running_var, num_batches_tracked, state)
+
+
+def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, amat_mean: Tensor, amat_var: Tensor,
+                   amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor,
+                   num_batches_tracked: Tensor, amat_eta: Tensor, state: NormState) -> NormPlan:
+    args = (x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
+            num_batches_tracked, amat_eta)
+    if _compiling():
+        return NormPlan(*torch.ops.distnorm.cbn_statistics(*args, state.key))
+    return _functions.cbn_statistics(*args, state)
+
+
+def normalize_backward(grad_out: Tensor, x: Tensor, center: Tensor, invstd: Tensor, grad_scale: Tensor,
+                       grad_coef: Tensor, beta_coef: Tensor, need_input_grad: bool,
+                       state: NormState) -> tuple[Tensor, Tensor, Tensor]:
+    args = (grad_out, x, center, invstd, grad_scale, grad_coef, beta_coef, need_input_grad)
+    if _compiling():
+        return torch.ops.distnorm.normalize_backward(*args, state.key)
+    return _functions.normalize_backward(*args, state)
+
+
+def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: object) -> tuple[Tensor, Tensor, Tensor]:
+    if _compiling():
+        return torch.ops.distnorm.bnp_statistics(h, mean, var, state.key)  # type: ignore[attr-defined]
+    from distnorm import bnp
+
+    return bnp.layer_statistics(h, mean, var, state)
