@@ -147,16 +147,43 @@ def test_train_loader_equal_batches_and_deterministic(tmp_path, synth_shards, wo
     assert runs[0] == runs[1]  # same seed, same stream, across fresh processes
 
 
+def _eval_model(classes: int) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, classes))
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.05)
+    return model
+
+
+def _plain_metrics(model: nn.Module, samples: list[tuple[bytes, int]]) -> dict:
+    """top-1 / top-5 / loss of ``model`` on ``(jpeg, label)`` samples, one at a time in float64,
+    written independently of ``evaluate`` (ranks by sorting, loss by log-sum-exp)."""
+    transform = D.build_transform("digits", train=False, image_size=16)
+    top1 = top5 = 0
+    loss = 0.0
+    for jpeg, label in samples:
+        with Image.open(io.BytesIO(jpeg)) as image:
+            logits = model(transform(image.convert("RGB"))[None]).double()[0]
+        order = sorted(range(len(logits)), key=lambda c: -float(logits[c]))
+        top1 += order[0] == label
+        top5 += label in order[:5]
+        loss += float(torch.logsumexp(logits, 0) - logits[label])
+    n = len(samples)
+    return {"top1": 100.0 * top1 / n, "top5": 100.0 * top5 / n, "loss": loss / n, "count": n}
+
+
+def _assert_metrics_equal(got: dict, want: dict) -> None:
+    assert got["count"] == want["count"]
+    for key in ("top1", "top5", "loss"):
+        assert got[key] == pytest.approx(want[key], abs=1e-5), key
+
+
 def _eval_worker(rank, world, root, workers, batch):
     index = D.ShardIndex.load(f"{root}/train-index.json")
     loader = D.EvalLoader(index.local_urls(root), index=index, batch_size=batch, rank=rank, world_size=world,
                           num_workers=workers, transform="digits", image_size=16)
     keys = [k for _, _, mask, ks in loader for k, m in zip(ks, mask.tolist()) if m]
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 5))
-    torch.manual_seed(0)
-    for p in model.parameters():
-        nn.init.normal_(p)
-    metrics = D.evaluate(model, loader)
+    metrics = D.evaluate(_eval_model(5), loader)
     return len(loader), keys, metrics
 
 
@@ -191,6 +218,8 @@ def test_eval_loader_covers_every_key_exactly_once(tmp_path, synth_shards, world
     assert sorted(keys) == sorted(source.key(i) for i in range(100))  # each exactly once
     metrics = [m for _, _, m in results]
     assert all(m == metrics[0] for m in metrics) and metrics[0]["count"] == 100
+    # by value: padding (ranks and workers with fewer batches) counts nowhere
+    _assert_metrics_equal(metrics[0], _plain_metrics(_eval_model(5), [(source.jpeg(i), source.label(i)) for i in range(100)]))
 
 
 # ----------------------------------------------------------------------- bad data
@@ -224,7 +253,10 @@ def test_undecodable_image_and_bad_label(bad_shards):
         batches = list(loader)
     assert len(batches) == len(loader) and loader.skipped == 2
     assert sum(int(m.sum()) for _, _, m, _ in batches) == 14
-    assert D.evaluate(nn.Sequential(nn.Flatten(), nn.LazyLinear(3)), loader)["count"] == 14
+    # by value: the two placeholders (label 0, zero image) and nothing else are left out
+    good_samples = [(good.jpeg(i), good.label(i)) for i in range(12)] + [(good.jpeg(i), good.label(i)) for i in (0, 3)]
+    model = _eval_model(3)
+    _assert_metrics_equal(D.evaluate(model, loader), _plain_metrics(model, good_samples))
 
 
 def test_truncated_shard(bad_shards):
