@@ -30,7 +30,7 @@ from torch import nn
 from _common import interleaved_medians, machine, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
 
 import distnorm
-from tests.dispatch import OpCounter
+from tests.dispatch import CollectiveCounter, OpCounter
 from tests.reference import CBNState, cbn_train
 
 SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14)]
@@ -122,29 +122,20 @@ def _count_collectives(rank: int, world: int, store: str, channels: int, out) ->
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    calls: list[int] = []
-    original = dist.all_reduce
-
-    def spy(tensor, *args, **kwargs):  # counts, then runs the real collective
-        calls.append(tensor.numel() * tensor.element_size())
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = spy
     result = {}
     for name, layer in {"cbn": distnorm.CBN(channels), "popnorm": distnorm.POPNorm(channels),
                         "syncbn": distnorm.SyncBatchNorm(channels)}.items():
         distnorm.set_lr(layer, LR)
         x = torch.randn(4, channels, 8, 8, requires_grad=True)
         layer(x.detach())  # initialise AMAT: the counted step takes the history path
-        calls.clear()
-        y = layer(x)
-        forward = list(calls)
-        calls.clear()
-        y.sum().backward()
-        result[name] = {"forward": len(forward), "backward": len(calls),
-                        "forward_bytes": sum(forward), "backward_bytes": sum(calls),
+        with CollectiveCounter() as counter:  # every collective of any kind
+            y = layer(x)
+            forward = counter.mark()
+            y.sum().backward()
+        result[name] = {"forward": forward, "backward": len(counter) - forward,
+                        "kinds": sorted({op for op, _ in counter.calls}),
+                        "forward_bytes": sum(counter.nbytes[:forward]), "backward_bytes": sum(counter.nbytes[forward:]),
                         "dispatched_ops": dispatched_ops(layer, x, torch.ones_like(x))}
-    dist.all_reduce = original
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()

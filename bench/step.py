@@ -10,8 +10,9 @@ ResNet-18 and the CIFAR ResNet-20 in five variants — PyTorch's local ``nn.Batc
 same collective count as ours) and local BN with BNP attached — wrap them in ``DistributedDataParallel`` (the same keyword arguments for
 all: ``distnorm.ddp_kwargs()``, no per-forward buffer broadcast) and time one SGD step
 (forward, backward with DDP's gradient all-reduce, optimizer step), interleaved, median of
-repeats on rank 0. It also counts distnorm's collectives per step (DDP's own bucketed
-gradient all-reduces run in C++ and are not counted) and measures training memory
+repeats on rank 0. It also counts distnorm's collectives per step, every kind
+(``tests.dispatch.CollectiveCounter``, on the bare model so DDP's gradient buckets are not
+among them) and measures training memory
 (``_common.training_memory_bytes``).
 
 The **collective floor** of a variant is what its step would cost if synchronizing were free
@@ -39,6 +40,7 @@ from torch import nn
 from _common import machine, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
 from peers import naive_sync  # noqa: I001
 
+from tests.dispatch import CollectiveCounter
 import distnorm
 from distnorm import models
 
@@ -70,13 +72,6 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.FileStore(store, world), rank=rank,
                             world_size=world, timeout=timedelta(seconds=600))
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    calls: list[int] = []
-    real_all_reduce = dist.all_reduce
-
-    def spy(tensor, *args, **kwargs):  # counts distnorm's collectives, runs the real one
-        calls.append(tensor.numel() * tensor.element_size())
-        return real_all_reduce(tensor, *args, **kwargs)
-
     # The floor under every synchronized layer: latency of one small all-reduce here.
     probe = torch.zeros(129, dtype=torch.float64, device=device)
     for _ in range(10):
@@ -113,11 +108,13 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
         counts, mem = {}, {}
         for variant, (ddp, opt, step) in runs.items():
             step()  # warm-up
-            dist.all_reduce = spy
-            calls.clear()
-            step()
-            dist.all_reduce = real_all_reduce
-            counts[variant] = {"collectives": len(calls), "bytes": sum(calls)}
+            # distnorm's collectives (every kind): one forward + backward of the bare model,
+            # so DDP's gradient buckets are not among them
+            with CollectiveCounter() as counter:
+                loss_fn(ddp.module(x), y).backward()
+            opt.zero_grad(set_to_none=True)
+            counts[variant] = {"collectives": len(counter), "bytes": sum(counter.nbytes),
+                               "kinds": sorted({op for op, _ in counter.calls})}
             mem[variant] = training_memory_bytes(ddp, opt, lambda ddp=ddp: loss_fn(ddp(x), y), device)
         for _ in range(repeats):
             for variant, (_, _, step) in runs.items():

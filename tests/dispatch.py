@@ -7,6 +7,12 @@
 * :class:`OpCounter` — counts dispatched ATen ops (each is a kernel launch, a view or an
   autograd bookkeeping op on a GPU) and host synchronisations (``.item()``,
   ``bool(tensor)``, ``.tolist()`` all dispatch ``_local_scalar_dense``).
+* :class:`CollectiveCounter` — every ``torch.distributed`` collective this process issues.
+  Every collective, whatever the Python entry point (``all_reduce``, ``broadcast``,
+  ``all_gather``, ``reduce_scatter``, ``barrier``, the ``*_object`` collectives, a
+  ``ProcessGroup`` method called directly), reaches the dispatcher as a ``c10d`` op, so a
+  dispatch mode sees all of them — unlike a wrapper around ``dist.all_reduce``, which misses
+  an added ``dist.broadcast``.
 """
 
 from __future__ import annotations
@@ -130,3 +136,39 @@ class OpCounter(TorchDispatchMode):
 
     def table(self) -> list[tuple[str, int]]:
         return Counter(self.ops).most_common()
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Record every collective (``c10d`` op) dispatched while active, as ``(op, shapes)``.
+
+    ``op`` is the c10d op name (``allreduce_``, ``broadcast_``, ``allgather_``,
+    ``_allgather_base_``, ``reduce_scatter_``, ``barrier``, ...); ``shapes`` the shapes of its
+    input tensors. Object collectives show up as the tensor collectives they are made of.
+
+    Example::
+
+        with CollectiveCounter() as counter:
+            layer(x).sum().backward()
+        assert counter.calls == [("allreduce_", ((3, C),)), ("allreduce_", ((2, C),))]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+        self.nbytes: list[int] = []  # bytes of the input tensors of each call
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            first = args[0] if args else None
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            shapes = tuple(tuple(t.shape) for t in tensors if isinstance(t, torch.Tensor))
+            self.calls.append((func._opname, shapes))
+            self.nbytes.append(sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def mark(self) -> int:
+        """The number of calls so far (slice ``calls[mark:]`` for what followed)."""
+        return len(self.calls)

@@ -20,6 +20,7 @@ from torch import nn
 import distnorm
 from distnorm import functional as F
 from tests import reference as ref
+from tests.dispatch import CollectiveCounter
 from tests.distributed import run_distributed
 
 LRS = [0.2, 0.05, 0.02, 0.005, 0.001]
@@ -148,7 +149,7 @@ def test_uneven_three_five_split(tmp_path, kind):
 
 
 @pytest.mark.world_size(3)
-@pytest.mark.parametrize("kind", ["cbn", "syncbn"])
+@pytest.mark.parametrize("kind", ["cbn", "popnorm", "syncbn"])
 def test_empty_rank_joins_and_contributes_nothing(tmp_path, kind):
     out = run_distributed(_equivalence_worker, 3, tmp_path, kind, [4, 0, 5], (2, 2), LRS)
     _assert_bit_identical(out)
@@ -167,35 +168,59 @@ def test_sub_group_process_group(tmp_path):
 
 
 # --------------------------------------------------------------------- collective count
+FORWARD = [("allreduce_", ((3, 5),))]  # per channel: sum, sum of squares, count (float64)
+BACKWARD = [("allreduce_", ((2, 5),))]  # per channel: sum(g), sum(g * xhat)
+
+
+def _phases(layer: nn.Module, counter: CollectiveCounter, conv: nn.Module | None = None) -> dict:
+    """Collectives of each phase a layer goes through: the first training step, a step with
+    AMAT initialised, a training step whose input needs no gradient, evaluation."""
+    out = {}
+    net = nn.Sequential(layer, conv) if conv is not None else layer
+    for phase, grad in (("first", True), ("amat_initialised", True), ("input_needs_no_grad", False)):
+        x = torch.randn(4, 5, 3, 3, requires_grad=grad)
+        start = counter.mark()
+        y = net(x)
+        forward = counter.calls[start:]
+        start = counter.mark()
+        y.square().sum().backward()
+        out[phase] = (forward, counter.calls[start:])
+    net.eval()
+    start = counter.mark()
+    with torch.no_grad():
+        net(torch.randn(4, 5, 3, 3))
+    out["eval"] = (counter.calls[start:], [])
+    return out
+
+
 def _count_worker(rank, world):
-    calls = []
-    original = dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        calls.append(tuple(tensor.shape))
-        return original(tensor, *args, **kwargs)
-
-    dist.all_reduce = counting  # observe (not replace) the real collective
-    try:
-        counts = {}
+    counts = {}
+    with CollectiveCounter() as counter:
         for make in (lambda: distnorm.CBN(5), lambda: distnorm.POPNorm(5), lambda: distnorm.SyncBatchNorm(5)):
             layer = make()
-            distnorm.set_lr(layer, 0.01)
-            x = torch.randn(4, 5, 3, 3, requires_grad=True)
-            calls.clear()
-            y = layer(x)
-            fwd = list(calls)
-            calls.clear()
-            y.sum().backward()
-            counts[type(layer).__name__] = (fwd, list(calls))
-    finally:
-        dist.all_reduce = original
+            distnorm.set_lr(layer, 0.01)  # eta = 0.9: the second step takes AMAT's history path
+            counts[type(layer).__name__] = _phases(layer, counter)
+        conv = nn.Conv2d(5, 4, 3)
+        distnorm.bnp.attach(conv)
+        counts["BNP"] = _phases(nn.Identity(), counter, conv)
     return counts
 
 
 @pytest.mark.world_size(2)
 def test_one_collective_forward_one_backward(tmp_path):
-    counts = run_distributed(_count_worker, 2, tmp_path)[0]
-    for name, (fwd, bwd) in counts.items():
-        assert fwd == [(3, 5)], (name, fwd)  # per channel: sum, sum of squares, count
-        assert bwd == [(2, 5)], (name, bwd)  # per channel: sum(g), sum(g * xhat)
+    """Every collective of any kind (all-reduce, broadcast, all-gather, barrier, object
+    collectives) on every rank, in every phase. Bug caught: an extra ``dist.broadcast`` in
+    the synchronized forward (a wrapper around ``dist.all_reduce`` missed it)."""
+    per_rank = run_distributed(_count_worker, 2, tmp_path)
+    assert per_rank[0] == per_rank[1]
+    for rank, counts in enumerate(per_rank):
+        for name in ("CBN", "POPNorm", "SyncBatchNorm"):
+            phases = counts[name]
+            for phase in ("first", "amat_initialised"):
+                assert phases[phase] == (FORWARD, BACKWARD), (rank, name, phase, phases[phase])
+            assert phases["input_needs_no_grad"] == (FORWARD, []), (rank, name, phases["input_needs_no_grad"])
+            assert phases["eval"] == ([], []), (rank, name)
+        # BNP: the statistics of the layer's input in the forward; the backward only rescales
+        for phase in ("first", "amat_initialised", "input_needs_no_grad"):
+            assert counts["BNP"][phase] == (FORWARD, []), (rank, phase, counts["BNP"][phase])
+        assert counts["BNP"]["eval"] == ([], [])
