@@ -95,10 +95,27 @@ def assert_same_across_ranks(
     if bool(_collectives.all_agree(value, group).all()):
         return
     groups: dict[str, list[int]] = {}
-    for rank, t in zip(_collectives.group_ranks(group), _collectives.gather_texts(text, group)):
+    for rank, t in zip(_collectives.group_ranks(group), _collectives.gather_texts(text, group, limit=1 << 20)):
         groups.setdefault(t, []).append(rank)
-    listing = "\n".join(f"  ranks {members}: {t[:500]}" for t, members in groups.items())
-    raise error(f"{what} differs across ranks:\n{listing}")
+    raise error(f"{what} differs across ranks:\n{_describe_groups(groups)}")
+
+
+def _describe_groups(groups: dict[str, list[int]]) -> str:
+    """Each group of ranks with its text; long texts as the lines that differ from the first
+    group's (a model listing of hundreds of lines that differs in one)."""
+    import difflib
+
+    items = list(groups.items())
+    if all("\n" not in t and len(t) <= 500 for t, _ in items):
+        return "\n".join(f"  ranks {members}: {t}" for t, members in items)
+    (ref, ref_ranks), out = items[0], []
+    out.append(f"  ranks {ref_ranks}: {len(ref.splitlines())} lines")
+    for t, members in items[1:]:
+        diff = [line for line in difflib.unified_diff(ref.splitlines(), t.splitlines(), lineterm="", n=0)
+                if not line.startswith(("---", "+++", "@@"))]
+        shown = "\n".join(f"      {line}" for line in diff[:12]) + (f"\n      ... {len(diff) - 12} more" if len(diff) > 12 else "")
+        out.append(f"  ranks {members}: differs from ranks {ref_ranks} in (- theirs, + these ranks'):\n{shown}")
+    return "\n".join(out)
 
 
 def check_consistency(

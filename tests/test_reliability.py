@@ -21,8 +21,7 @@ from tests.helpers import digits_overrides, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
-
-
+TRACER = REPO / "tests" / "trace"  # sitecustomize: records backward passes and optimizer steps
 
 
 def _overrides(root: Path, run: Path, *extra: str) -> list[str]:
@@ -34,7 +33,8 @@ def _start(world: int, args_of_rank, tmp: Path) -> list[subprocess.Popen]:
     procs = []
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(TRACER), str(REPO)]), "DISTNORM_TEST_TRACE": str(tmp / "trace")}
         procs.append(subprocess.Popen([sys.executable, "-m", "distnorm.train", "--config", str(DEMO), *args_of_rank(rank)],
                                       cwd=REPO, env=env, stdout=open(tmp / f"out{rank}.txt", "w"),
                                       stderr=open(tmp / f"err{rank}.txt", "w"), start_new_session=True))
@@ -62,6 +62,21 @@ def _finish(procs, timeout: float) -> list[int]:
             os.killpg(p.pid, signal.SIGKILL)
             codes.append(None)
     return codes
+
+
+def _trace(tmp: Path, rank: int) -> dict[str, int]:
+    """How many backward passes and optimizer steps rank ``rank`` ran (tests/trace)."""
+    path = tmp / f"trace.{rank}"
+    events = path.read_text().split() if path.is_file() else []
+    return {"backward": events.count("backward"), "optimizer_step": events.count("optimizer_step")}
+
+
+def _step_named(text: str, pattern: str) -> int:
+    import re
+
+    found = re.findall(pattern, text)
+    assert found, f"no {pattern!r} in:\n{text[-2000:]}"
+    return int(found[-1])
 
 
 def _no_orphans(run: Path) -> bool:
@@ -123,23 +138,34 @@ def test_mismatch_is_detected_before_the_first_training_collective(tmp_path, dig
     expected = "the training configuration differs" if what == "config" else "the dataset index files differs"
     for rank in range(2):
         assert expected in (tmp_path / f"err{rank}.txt").read_text()
-    assert not (run / "metrics.jsonl").exists()  # no step was taken
+        assert _trace(tmp_path, rank) == {"backward": 0, "optimizer_step": 0}  # observed, every rank
+    assert not (run / "metrics.jsonl").exists()
 
 
 @pytest.mark.timeout(600)
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, digits):
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, digits, damage):
+    """Bug caught (flipped byte): verification that compares sizes but skips the SHA-256
+    resumes from the damaged checkpoint."""
     run = tmp_path / "run"
     base = _overrides(digits, run, "output.checkpoint_every_steps=4", "output.keep_last=2")
-    assert _finish(_start(1, lambda r: [*base, "train.max_steps=8"], tmp_path), timeout=300) == [0]
+    assert _finish(_start(2, lambda r: [*base, "train.max_steps=8"], tmp_path), timeout=300) == [0, 0]
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_000000008"
     victim = max((ckpts / "step_000000008").rglob("*.safetensors"), key=lambda p: p.stat().st_size)
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # truncated
-    assert _finish(_start(1, lambda r: [*base, "train.max_steps=10"], tmp_path), timeout=300) == [0]
-    err = (tmp_path / "err0.txt").read_text()
-    assert "step_000000008 is unusable" in err and "falling back" in err
+    data = bytearray(victim.read_bytes())
+    if damage == "flipped byte":
+        data[len(data) // 2] ^= 0x01  # a weight's lowest mantissa bit: same size, still loads
+    else:
+        data = data[: len(data) // 2]
+    victim.write_bytes(bytes(data))
+    assert _finish(_start(2, lambda r: [*base, "train.max_steps=10"], tmp_path), timeout=300) == [0, 0]
+    reason = "does not match its checksum" if damage == "flipped byte" else "bytes,"
+    for rank in range(2):  # every rank verifies and says so
+        err = (tmp_path / f"err{rank}.txt").read_text()
+        assert "step_000000008 is unusable" in err and reason in err and "falling back" in err, err[-2000:]
     resume = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines() if '"resume"' in l][-1]
-    print(f"FIGURE corrupt-checkpoint: resumed from {Path(resume['checkpoint']).name} after truncating step_000000008")
+    print(f"FIGURE corrupt-checkpoint ({damage}): resumed from {Path(resume['checkpoint']).name}")
     assert resume["global_step"] == 4
 
 
@@ -169,13 +195,21 @@ def test_non_finite_loss_stops_every_rank_naming_the_step_and_layer(tmp_path, di
     run = tmp_path / "run"
     codes = _finish(_start(2, lambda r: _overrides(digits, run, "optim.lr=1.0e12", "train.debug=true"), tmp_path), 180)
     assert None not in codes and all(c != 0 for c in codes)
-    err = (tmp_path / "err0.txt").read_text()
+    for rank in range(2):  # every rank names the layer and the step, and stopped in that forward
+        err = (tmp_path / f"err{rank}.txt").read_text()
+        assert "non-finite batch statistics" in err and "CBN '" in err, err[-2000:]
+        step = _step_named(err, r"\(during the forward of epoch 0, step (\d+)\)")
+        assert _trace(tmp_path, rank) == {"backward": step - 1, "optimizer_step": step - 1}
     print("FIGURE non-finite: " + [l for l in err.splitlines() if "non-finite" in l][-1][:300])
-    assert "non-finite batch statistics" in err and "CBN '" in err and "(during the forward of epoch 0, step" in err
     run2 = tmp_path / "run2"
+    for rank in range(2):
+        (tmp_path / f"trace.{rank}").unlink(missing_ok=True)
     codes = _finish(_start(2, lambda r: _overrides(digits, run2, "optim.lr=1.0e12", "train.max_steps=6"), tmp_path), 180)
     assert all(c not in (0, None) for c in codes)
-    assert "non-finite loss at epoch 0, step" in (tmp_path / "err0.txt").read_text()
+    for rank in range(2):  # the loss check runs before the backward: no step on a NaN loss
+        err = (tmp_path / f"err{rank}.txt").read_text()
+        step = _step_named(err, r"non-finite loss at epoch 0, step (\d+)")
+        assert _trace(tmp_path, rank) == {"backward": step - 1, "optimizer_step": step - 1}
     run3 = tmp_path / "run3"
     codes = _finish(_start(2, lambda r: _overrides(digits, run3, "optim.lr=1.0e12", "train.on_nonfinite=skip",
                                                   "train.epochs=1"), tmp_path), 300)
@@ -183,3 +217,53 @@ def test_non_finite_loss_stops_every_rank_naming_the_step_and_layer(tmp_path, di
     skipped = [l for l in (run3 / "metrics.jsonl").read_text().splitlines() if '"skipped_step"' in l]
     print(f"FIGURE non-finite skip: {len(skipped)} of 22 steps skipped on both ranks, run completed")
     assert skipped
+
+
+@pytest.mark.timeout(600)
+def test_resume_with_another_world_size_is_refused(tmp_path, digits):
+    run = tmp_path / "run"
+    base = _overrides(digits, run, "output.checkpoint_every_steps=4")
+    assert _finish(_start(2, lambda r: [*base, "train.max_steps=4"], tmp_path), timeout=300) == [0, 0]
+    (tmp_path / "trace.0").unlink()
+    codes = _finish(_start(1, lambda r: [*base, "train.max_steps=8"], tmp_path), timeout=300)
+    err = (tmp_path / "err0.txt").read_text()
+    print(f"FIGURE world-size resume: exit {codes} — " + [l for l in err.splitlines() if "written by" in l][-1][:200])
+    assert codes == [2] and "written by 2 process(es) but this run has 1" in err
+    assert _trace(tmp_path, 0) == {"backward": 0, "optimizer_step": 0}
+
+
+def _setup_mismatch_worker(rank, world, what, root):
+    """Each rank runs the real start-up agreement with its own view of the setup."""
+    from torch import nn
+
+    from distnorm import models
+    from distnorm.train.config import ConfigError, load_config
+    from distnorm.train.loop import _agree_on_resume, agree_on_setup
+
+    cfg = load_config(DEMO, digits_overrides(Path(root)))
+    model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm="local_bn", activation=None)
+    seen_world = world
+    if what == "model" and rank == 1:  # e.g. another library version on one node
+        model.extra = nn.Linear(2, 2)
+    if what == "world" and rank == 1:  # a launcher that set WORLD_SIZE differently on one node
+        seen_world = world * 2
+    try:
+        if what == "checkpoint":
+            _agree_on_resume((Path(f"/ckpt/step_{rank}"), {"world_size": world}), world)
+        else:
+            agree_on_setup(cfg, model, seen_world)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("what,expected", [("model", "the model structure differs"),
+                                           ("world", "the world size and per-rank batch differs"),
+                                           ("checkpoint", "the checkpoint to resume from")])
+def test_setup_mismatches_raise_on_every_rank(tmp_path, digits, what, expected):
+    from tests.distributed import run_distributed
+
+    messages = run_distributed(_setup_mismatch_worker, 2, tmp_path, what, str(digits))
+    for message in messages:  # every rank raises, naming the item and what each rank has
+        assert message is not None and expected in message and "ranks [0]" in message and "ranks [1]" in message

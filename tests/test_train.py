@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from distnorm.train.checkpoint import verify_checkpoint
 from distnorm.train.config import ConfigError, load_config
@@ -121,6 +122,7 @@ def test_kill_mid_epoch_and_resume_continues_exactly(tmp_path, digits):
     _torchrun_sh(*args, f"output.dir={crashed}", env=_env(NPROC="2"))
     resume = _records(crashed, "resume")
     assert resume and resume[-1]["global_step"] >= 12
+    assert resume[-1]["epoch"] == 0 and 0 < resume[-1]["step_in_epoch"] < 23  # it resumed mid-epoch
     start = resume[-1]["global_step"]
     reference = {r["step"]: r for r in _records(full, "train")}
     after = [r for r in _records(crashed, "train") if r["time"] > resume[-1]["time"]]
@@ -129,6 +131,33 @@ def test_kill_mid_epoch_and_resume_continues_exactly(tmp_path, digits):
         assert r["lr"] == reference[r["step"]]["lr"]
         assert r["loss"] == pytest.approx(reference[r["step"]]["loss"], rel=1e-5, abs=1e-6)
     assert _records(crashed, "eval")[-1]["top1"] == pytest.approx(_records(full, "eval")[-1]["top1"], abs=1e-9)
+    # the final state itself: every parameter, buffer (distnorm's included) and optimizer tensor
+    final = "step_000000046"
+    a, b = _checkpoint_tensors(full / "checkpoints" / final), _checkpoint_tensors(crashed / "checkpoints" / final)
+    assert a.keys() == b.keys() and any(".amat_var" in k for k in a) and any(k.startswith("optimizer") for k in a)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _checkpoint_tensors(directory: Path) -> dict[str, "torch.Tensor"]:
+    """Every tensor of a checkpoint's model (safetensors) and optimizer (torch.save) files."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in sorted(directory.rglob("*.safetensors")):
+        out.update({f"{path.stem}/{k}": v for k, v in load_file(path).items()})
+    for path in sorted(directory.rglob("optimizer*.bin")):
+        def walk(prefix, value):
+            if isinstance(value, torch.Tensor):
+                out[prefix] = value
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{prefix}/{k}", v)
+            elif isinstance(value, (list, tuple)):
+                for i, v in enumerate(value):
+                    walk(f"{prefix}/{i}", v)
+        walk(path.stem, torch.load(path, map_location="cpu", weights_only=False))
+    return out
 
 
 # ------------------------------------------------------------------ bad input

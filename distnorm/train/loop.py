@@ -106,6 +106,30 @@ def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
         assert_same_across_ranks(text, what, error=ConfigError)
 
 
+def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int) -> None:
+    """Every rank resumes from the same checkpoint, written by as many ranks as this run has.
+
+    Each rank verifies the checkpoints itself, so a node that sees a different (or damaged)
+    copy would otherwise resume from a different step. A different world size changes which
+    rank reads which shards and where each rank's data position is, so an exact resume is
+    impossible; it is refused rather than silently resumed inexactly.
+    """
+    from distnorm.consistency import assert_same_across_ranks
+
+    where = str(found[0]) if found is not None else "no checkpoint"
+    assert_same_across_ranks(
+        where, "the checkpoint to resume from (every rank must see the same checkpoint directory, e.g. on a "
+        "shared file system, and the same files in it)", error=ConfigError)
+    if found is not None:
+        saved = found[1].get("world_size", world)  # checkpoints from before this field: not checked
+        if saved != world:
+            raise ConfigError(
+                f"checkpoint {found[0]} was written by {saved} process(es) but this run has {world}: its data "
+                f"position and per-rank state only resume exactly with {saved}. Restart with {saved} processes, "
+                "or start a new run in another output.dir (loading only the weights is a fine-tuning job, not a resume)."
+            )
+
+
 class _Progress:
     """A tqdm bar on rank 0 with images/s, loss, LR and the ETA."""
 
@@ -205,6 +229,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
     state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
     if not dry_run:
         found = checkpoints.find_resumable()
+        _agree_on_resume(found, world)
         if found is not None:
             directory, _ = found
             state = engine.load(directory)
@@ -216,7 +241,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
     def save(epoch: int, step_in_epoch: int, global_step: int) -> None:
         if dry_run:
             return
-        snapshot = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step}
+        snapshot = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step, "world_size": world}
         path = checkpoints.save(global_step, snapshot, engine.save)
         writer.log("checkpoint", step=global_step, epoch=epoch, path=str(path))
 
