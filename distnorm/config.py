@@ -82,6 +82,11 @@ class DistNormConfig:
         if self.gn_groups < 1:
             raise ValueError(f"distnorm config: gn_groups must be >= 1, got {self.gn_groups!r}")
 
+    @property
+    def active(self) -> bool:
+        """Whether this configuration changes the model at all (a norm other than ``off``, or BNP)."""
+        return self.norm != OFF or self.bnp
+
     # ----------------------------------------------------------------- conversions
     def layer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the new normalization layers for ``self.norm``."""

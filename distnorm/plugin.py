@@ -36,7 +36,7 @@ from distnorm.consistency import assert_same_across_ranks, check_consistency, co
 from distnorm.convert import convert
 from distnorm.layers import _CompleteNorm
 
-__all__ = ["DistNormPlugin", "ddp_kwargs"]
+__all__ = ["DistNormPlugin", "ddp_kwargs", "buffer_broadcast_needed", "unsynchronized_running_stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,31 @@ def _subgroup(size: int, timeout_s: float | None = None) -> Any:
     return group
 
 
+def unsynchronized_running_stats(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` whose running statistics are computed per rank
+    (``torch.nn`` BatchNorm / InstanceNorm with ``track_running_stats`` that distnorm did
+    not convert): their buffers drift apart unless DDP broadcasts buffers."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    from distnorm.layers import _DistNormLayer
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, _NormBase) and not isinstance(m, _DistNormLayer) and m.track_running_stats]
+
+
+def buffer_broadcast_needed(plugin: "DistNormPlugin") -> str | None:
+    """Why DDP's per-forward buffer broadcast must stay on for this plugin's model, or ``None``
+    when it is pure cost (every buffer with running statistics is distnorm's, identical on
+    every rank by construction)."""
+    if not plugin.config.active:
+        return "distnorm is off (no --distnorm / BNP): the script runs exactly as without the plugin"
+    if plugin.local_running_stats:
+        names = plugin.local_running_stats
+        return (f"{len(names)} BatchNorm layer(s) keep per-rank running statistics (e.g. {names[:3]}); "
+                "convert them (norm=bn|cbn|popnorm) to drop the broadcast")
+    return None
+
+
 class DistNormPlugin:
     """distnorm's layers, BNP, AMAT learning rate and consistency checks for one model.
 
@@ -94,6 +119,7 @@ class DistNormPlugin:
     def __init__(self, model: nn.Module, config: DistNormConfig | None = None):
         self.config = config if config is not None else DistNormConfig()
         self.model = model
+        self.local_running_stats = []  # filled below: BatchNorms whose statistics stay per rank
         self.group = _subgroup(self.config.group_size, self.config.collective_timeout_s) if self.config.group_size else None
         if self.config.own_communicator and self.group is None:
             # group_size already gives the layers communicators of their own
@@ -115,10 +141,12 @@ class DistNormPlugin:
                 add_bias=cfg.bnp_add_bias, exclude=cfg.bnp_exclude, process_group=self.group,
             )
         self.amat_layers = [m for m in model.modules() if isinstance(m, _CompleteNorm) and m.amat]
+        self.local_running_stats = unsynchronized_running_stats(model)
         self._lr_of_layer: Callable[[], list[float]] | None = None
         self.training_forwards = 0
         self._resync = False
-        self._hook = model.register_forward_pre_hook(self._before_forward)
+        # Off is off: a configuration that changes nothing adds no hook, check or collective.
+        self._hook = model.register_forward_pre_hook(self._before_forward) if self.config.active else None
 
     def __repr__(self) -> str:
         return f"DistNormPlugin(norm={self.config.norm!r}, bnp={self.config.bnp}, amat_layers={len(self.amat_layers)})"
@@ -139,6 +167,8 @@ class DistNormPlugin:
         — a DeepSpeed engine (``get_lr()[0]``: ZeRO flattens the groups), or a callable
         returning the learning rate. Also broadcasts and verifies distnorm's buffers.
         """
+        if not self.config.active:
+            return self  # nothing of distnorm's to follow, broadcast or verify
         if hasattr(source, "get_lr") and hasattr(source, "save_checkpoint"):  # a DeepSpeed engine
             self._lr_of_layer = lambda: [source.get_lr()[0]] * len(self.amat_layers)
             self._wrap_deepspeed_checkpointing(source)
@@ -251,5 +281,6 @@ class DistNormPlugin:
 
     def remove(self) -> None:
         """Stop following the optimizer and checking (the converted layers stay)."""
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
         self._lr_of_layer = None

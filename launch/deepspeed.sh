@@ -5,7 +5,8 @@
 #   HOSTFILE=launch/hostfile.example launch/deepspeed.sh configs/imagenet/resnet50_cbn_deepspeed.yaml
 #
 # Environment: HOSTFILE (multi-node; without it, this node only), NUM_GPUS (per node,
-# default: all), MASTER_ADDR / MASTER_PORT, PYTHON. The config must select
+# default: all; on CPU with DS_ACCELERATOR=cpu: the number of processes), MASTER_ADDR /
+# MASTER_PORT, PYTHON. The config must select
 # train.engine=deepspeed and a train.deepspeed_config JSON (configs/deepspeed/).
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
@@ -15,7 +16,12 @@ fi
 CONFIG=$1
 shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
-PYTHON=${PYTHON:-python}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$HERE/.venv/bin/python" ]]; then PYTHON="$HERE/.venv/bin/python"; else PYTHON=python; fi
+fi
+# The runner installed beside that interpreter (a venv not on PATH still works).
+DEEPSPEED=$(dirname "$(command -v "$PYTHON")")/deepspeed
+[[ -x "$DEEPSPEED" ]] || DEEPSPEED=deepspeed
 ARGS=()
 if [[ -n "${HOSTFILE:-}" ]]; then
   ARGS+=(--hostfile "$HOSTFILE")
@@ -28,4 +34,5 @@ fi
 [[ -n "${MASTER_PORT:-}" ]] && ARGS+=(--master_port "$MASTER_PORT")
 
 "$PYTHON" -m distnorm.train --config "$CONFIG" --check --world-size "$WORLD" "$@"
-exec deepspeed "${ARGS[@]}" --module distnorm.train --config "$CONFIG" "$@"
+# Workers get --local_rank=N from the runner; distnorm-train accepts it (LOCAL_RANK wins).
+exec "$DEEPSPEED" "${ARGS[@]}" --module distnorm.train --config "$CONFIG" "$@"

@@ -7,11 +7,17 @@
 #   NPROC        processes on this node            [number of GPUs, or 1 without GPUs]
 #   NNODES       nodes in the job                   [1]
 #   NODE_RANK    this node's index (static mode)    [0]
-#   MASTER_ADDR  rendezvous host (node 0)           [127.0.0.1]
-#   MASTER_PORT  rendezvous port                    [29500]
+#   MASTER_ADDR  rendezvous host (the head node's name or address)
+#                [required when NNODES > 1; one node: a private rendezvous on a free port]
+#   MASTER_PORT  rendezvous port                    [from the job id, see below]
 #   RDZV         c10d (elastic rendezvous, any node may start first) or static  [c10d]
-#   RDZV_ID      job id shared by all nodes (c10d)  [distnorm]
+#   RDZV_ID      job id shared by all nodes (c10d)  [SLURM_JOB_ID, else derived from
+#                MASTER_ADDR, MASTER_PORT and the config]
 #   PYTHON       interpreter                        [python, or .venv/bin/python if present]
+#
+# Two jobs on one host never share a rendezvous: one node uses torchrun --standalone (a
+# free port, a fresh id); several nodes default the port to 20000 + SLURM_JOB_ID % 20000
+# under Slurm (29500 elsewhere: set MASTER_PORT when two multi-node jobs share a head node).
 #
 # Before starting any worker it checks the config, the engine, the data paths and that
 # NPROC x NNODES divides the global batch (distnorm-train --check), so a bad config fails
@@ -32,16 +38,30 @@ if [[ -z "${NPROC:-}" ]]; then
 fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29500}
 RDZV=${RDZV:-c10d}
+if [[ "$NNODES" -gt 1 && -z "${MASTER_ADDR:-}" ]]; then
+  echo "launch/torchrun.sh: NNODES=$NNODES needs MASTER_ADDR (the head node's host name or address," >&2
+  echo "the same on every node); without it each node would wait for itself on 127.0.0.1" >&2
+  exit 2
+fi
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+  DEFAULT_PORT=$((20000 + SLURM_JOB_ID % 20000))
+else
+  DEFAULT_PORT=29500
+fi
+MASTER_PORT=${MASTER_PORT:-$DEFAULT_PORT}
 
 "$PYTHON" -m distnorm.train --config "$CONFIG" --check --world-size $((NPROC * NNODES)) "$@"
 
-if [[ "$RDZV" == static ]]; then
+if [[ "$NNODES" -eq 1 && -z "${MASTER_ADDR:-}" ]]; then
+  RENDEZVOUS=(--standalone)  # a free port and a fresh rendezvous id: no collision on this host
+elif [[ "$RDZV" == static ]]; then
   RENDEZVOUS=(--node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
 else
-  RENDEZVOUS=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="${RDZV_ID:-distnorm}")
+  if [[ -z "${RDZV_ID:-}" ]]; then
+    RDZV_ID=${SLURM_JOB_ID:-distnorm-$(printf '%s' "$MASTER_ADDR:$MASTER_PORT:$CONFIG" | cksum | cut -d' ' -f1)}
+  fi
+  RENDEZVOUS=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$RDZV_ID")
 fi
 # OMP_NUM_THREADS: torchrun would set 1 per process; keep it if the caller chose one.
 exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" "${RENDEZVOUS[@]}" \

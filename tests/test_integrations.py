@@ -195,3 +195,41 @@ def test_examples_run_under_torchrun(tmp_path, script, extra):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "done: 4 steps" in proc.stdout
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("engine_args", [CONFIGS[0], CONFIGS[3]])
+def test_off_is_off(tmp_path, engine_args):
+    """Bug caught: with the plugin lines but no --distnorm flag, prepare() still turned DDP's
+    buffer broadcast off, so plain BatchNorm running statistics drifted apart per rank."""
+    args = [*engine_args, "--steps", "4"]
+    with_lines = launch(2, tmp_path / "with", *args)
+    without = launch(2, tmp_path / "without", *args, "--no-plugin")
+    for a, b in zip(with_lines, without):
+        assert a["losses"] == b["losses"]
+        for kind in ("params", "buffers"):
+            assert a[kind].keys() == b[kind].keys()
+            for name in a[kind]:
+                assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
+
+
+def test_buffer_broadcast_stays_on_while_local_batchnorms_remain(caplog):
+    from accelerate import Accelerator
+
+    import distnorm.integrations.accelerate as dn
+
+    def handler_after(cfg):
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+        plugin = dn.prepare(model, cfg, accelerator)
+        return accelerator.ddp_handler, plugin
+
+    handler, plugin = handler_after(distnorm.DistNormConfig())  # off
+    assert handler is None and plugin._hook is None
+    with caplog.at_level("WARNING"):
+        handler, plugin = handler_after(distnorm.DistNormConfig(bnp=True))  # BNP, the BN stays local
+    assert (handler is None or handler.broadcast_buffers) and "keeps broadcasting buffers" in caplog.text
+    assert plugin.local_running_stats == ["1"]
+    handler, _ = handler_after(distnorm.DistNormConfig(norm="bn"))
+    assert handler.broadcast_buffers is False

@@ -12,10 +12,13 @@
 
 ``prepare`` converts the bare model (and attaches BNP) per ``cfg``, makes Accelerate build
 DDP with ``broadcast_buffers=False`` (distnorm's buffers are identical on every rank by
-construction, so DDP's per-step buffer broadcast is pure cost), and registers the plugin with
+construction, so DDP's per-step buffer broadcast is pure cost) — unless BatchNorms with
+per-rank running statistics remain unconverted (BNP alone on a BN model), in which case the
+broadcast stays on and a warning says why — and registers the plugin with
 ``accelerator.register_for_checkpointing`` so ``save_state`` / ``load_state`` carry its state
 (the model's buffers travel with the model). ``follow(optimizer)`` makes AMAT read the
-learning rate the optimizer applies at each step.
+learning rate the optimizer applies at each step. Without ``--distnorm`` and BNP, the plugin
+lines change nothing at all (no conversion, no DDP setting, no hook, no checkpoint entry).
 
 On CPU, Accelerate selects MULTI_CPU only with ``Accelerator(cpu=True)`` (or ``--cpu``);
 without it every ``torchrun`` rank silently trains alone.
@@ -32,7 +35,7 @@ from torch import nn
 import argparse
 
 from distnorm.config import DistNormConfig, add_arguments
-from distnorm.plugin import DistNormPlugin
+from distnorm.plugin import DistNormPlugin, buffer_broadcast_needed
 
 __all__ = ["prepare", "add_arguments"]
 
@@ -67,8 +70,13 @@ def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None
     if isinstance(config, argparse.Namespace):
         config = DistNormConfig.from_args(config)
     plugin = DistNormPlugin(model, config)
+    if not plugin.config.active:
+        return plugin  # off is off: nothing converted, DDP and checkpoints untouched
+    keep_broadcast = buffer_broadcast_needed(plugin)
     handler = accelerator.ddp_handler
-    if handler is None:
+    if keep_broadcast is not None:
+        logger.warning("distnorm: DDP keeps broadcasting buffers every forward: %s", keep_broadcast)
+    elif handler is None:
         accelerator.ddp_handler = accelerate.utils.DistributedDataParallelKwargs(broadcast_buffers=False)
     elif handler.broadcast_buffers:
         logger.info("distnorm: turning off DDP broadcast_buffers (buffers are rank-consistent by construction)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -31,11 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="validate the config, engine, data paths and batch split, then exit")
     parser.add_argument("--world-size", type=int, default=None, help="with --check: the number of processes planned")
+    # The DeepSpeed launcher (and torch.distributed.launch) pass --local_rank=N to every
+    # worker; LOCAL_RANK in the environment says the same and wins when both are present.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from distnorm.train.config import ConfigError, load_config
     from distnorm.train.engines import local_world

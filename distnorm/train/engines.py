@@ -92,6 +92,17 @@ def lr_multiplier(cfg: TrainConfig, steps_per_epoch: int) -> Callable[[int], flo
     return multiplier
 
 
+def deepspeed_input_dtype(model: Any) -> torch.dtype | None:
+    """The input dtype a DeepSpeed engine running in bf16 / fp16 expects (its weights are in
+    it), or ``None`` for fp32 or any other model. Applies to a DeepSpeed engine built by
+    Accelerate too (``launch/accelerate/deepspeed.yaml``)."""
+    if not callable(getattr(model, "bfloat16_enabled", None)):
+        return None
+    if model.bfloat16_enabled():
+        return torch.bfloat16
+    return torch.float16 if model.fp16_enabled() else None
+
+
 class AccelerateEngine(Engine):
     def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         from accelerate import Accelerator
@@ -110,6 +121,12 @@ class AccelerateEngine(Engine):
         self.plugin.follow(self.optimizer)
         self.rank, self.world_size = self.accelerator.process_index, self.accelerator.num_processes
         self.device = self.accelerator.device
+        # Accelerate driving DeepSpeed with bf16 / fp16 (launch/accelerate/deepspeed.yaml) hands
+        # back a model whose weights are in that dtype and which expects inputs in it too.
+        self._input_dtype = deepspeed_input_dtype(self.model)
+
+    def cast_inputs(self, images: torch.Tensor) -> torch.Tensor:
+        return images if self._input_dtype is None else images.to(self._input_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
@@ -179,11 +196,8 @@ class DeepSpeedEngine(Engine):
         return self.engine  # ZeRO-3 gathers parameters in the engine's hooks
 
     def cast_inputs(self, images: torch.Tensor) -> torch.Tensor:
-        if self.engine.bfloat16_enabled():
-            return images.bfloat16()
-        if self.engine.fp16_enabled():
-            return images.half()
-        return images
+        dtype = deepspeed_input_dtype(self.engine)
+        return images if dtype is None else images.to(dtype)
 
     def save(self, directory: Path, state: dict[str, Any]) -> None:
         # The checkpoint manager keeps its own `latest` pointer (to complete checkpoints only).

@@ -50,6 +50,7 @@ def main() -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--perturb-step", type=int, default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--no-plugin", action="store_true", help="the script without distnorm's lines (reference)")
     distnorm.add_arguments(p)
     args = p.parse_args()
     cfg = distnorm.DistNormConfig.from_args(args)
@@ -103,11 +104,12 @@ def run_accelerate(args, cfg) -> dict:
     # default steps it num_processes times), so that 2 ranks and 1 rank share a schedule.
     accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)
     model = make_model()
-    plugin = dn_accelerate.prepare(model, cfg, accelerator)          # distnorm
+    plugin = None if args.no_plugin else dn_accelerate.prepare(model, cfg, accelerator)  # distnorm
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    plugin.follow(optimizer)                                           # distnorm
+    if plugin is not None:
+        plugin.follow(optimizer)                                       # distnorm
     if args.resume:
         accelerator.load_state(args.ckpt)
     loss_fn = nn.CrossEntropyLoss()
@@ -141,7 +143,7 @@ def run_deepspeed(args, cfg) -> dict:
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     model = make_model()
-    plugin = dn_deepspeed.prepare(model, cfg)                          # distnorm
+    plugin = None if args.no_plugin else dn_deepspeed.prepare(model, cfg)  # distnorm
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ds_config = {
         "train_micro_batch_size_per_gpu": args.global_batch // world,
@@ -155,7 +157,8 @@ def run_deepspeed(args, cfg) -> dict:
         "wall_clock_breakdown": False,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    plugin.follow(engine)                                              # distnorm
+    if plugin is not None:
+        plugin.follow(engine)                                          # distnorm
     if args.resume:
         engine.load_checkpoint(args.ckpt, tag="ckpt")
     loss_fn = nn.CrossEntropyLoss()
