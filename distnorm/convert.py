@@ -12,6 +12,11 @@ on models they own, not only on ours.
 * ``"bn"`` swaps each BatchNorm for :class:`distnorm.SyncBatchNorm` in place, sharing the
   same Parameter and buffer objects (``state_dict`` keys and values unchanged).
 * ``"gn"`` swaps each BatchNorm for ``nn.GroupNorm`` (for BNP + GN); ``"none"`` removes them.
+* **Fused norm + activation** modules (timm's ``BatchNormAct2d`` / ``SyncBatchNormAct``: a
+  BatchNorm subclass with ``drop`` and ``act`` children, applied after the normalization)
+  keep their activation: ``"bn"`` / ``"gn"`` give the new norm the same ``drop`` and
+  ``act`` children (``state_dict`` keys unchanged), the pre-op modes and ``"none"`` leave
+  ``drop`` → ``act`` where the BatchNorm was.
 * ``activation=`` swaps every activation module for relu / sigmoid / tanh / selu / swish,
   keeping the sigmoid gates of squeeze-excitation blocks (found from the dataflow: an
   activation whose output multiplies another tensor). It also turns ``inplace=True`` off
@@ -27,7 +32,7 @@ from __future__ import annotations
 import logging
 import operator
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,12 +153,52 @@ def _channels_out(op: nn.Module) -> int:
     return op.out_features if isinstance(op, nn.Linear) else op.out_channels
 
 
+def _fused_activation(bn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """``(drop, act)`` of a fused norm + activation module (timm's ``BatchNormAct2d``:
+    ``act(drop(batch_norm(x)))``), or ``None`` for a plain BatchNorm."""
+    act = bn._modules.get("act")
+    if act is None:
+        return None
+    drop = bn._modules.get("drop")
+    return (drop if drop is not None else nn.Identity()), act
+
+
+class _NormAct:
+    """Mixin for the norm + activation classes :func:`_with_activation` builds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.drop(super().forward(x)))
+
+
+_NORM_ACT_CLASSES: dict[type, type] = {}
+
+
+def _with_activation(norm: nn.Module, drop: nn.Module, act: nn.Module) -> nn.Module:
+    """``norm`` followed by ``drop`` and ``act`` as its children ``drop`` / ``act`` (the layout
+    of timm's ``BatchNormAct2d``, so state_dict keys do not change)."""
+    cls = type(norm)
+    fused = _NORM_ACT_CLASSES.get(cls)
+    if fused is None:
+        fused = _NORM_ACT_CLASSES[cls] = type(f"{cls.__name__}Act", (_NormAct, cls),
+                                              {"__module__": __name__, "__doc__": f"{cls.__name__} + drop + act."})
+    norm.__class__ = fused
+    norm.drop, norm.act = drop, act
+    return norm
+
+
+def _activation_only(drop: nn.Module, act: nn.Module) -> nn.Module:
+    """What stays where a fused norm + activation was removed: ``act(drop(x))``."""
+    return nn.Sequential(OrderedDict([("drop", drop), ("act", act)]))
+
+
 class _Tracer(fx.Tracer):
-    """torch.fx tracer that keeps distnorm's own modules as leaves (their forwards call
-    autograd Functions that cannot take proxies)."""
+    """torch.fx tracer that keeps distnorm's own modules (their forwards call autograd
+    Functions that cannot take proxies) and every BatchNorm, fused ones included, as leaves:
+    a BatchNorm subclass outside ``torch.nn`` (timm's ``BatchNormAct2d``) would otherwise be
+    traced through and never show up as the conv's follower."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return isinstance(m, (_DistNormLayer, PreNorm)) or super().is_leaf_module(m, module_qualified_name)
+        return isinstance(m, (_DistNormLayer, PreNorm, *BATCH_NORMS)) or super().is_leaf_module(m, module_qualified_name)
 
 
 def _trace(model: nn.Module) -> fx.GraphModule | None:
@@ -377,6 +422,9 @@ def _convert_norms(model, modules, graph_module, norm, process_group, unpaired, 
         for name in bns:
             bn = modules[name]
             new = _new_norm(norm, bn, process_group, layer_kwargs)
+            fused = _fused_activation(bn)
+            if fused is not None:
+                new = _with_activation(new, *fused) if norm != "none" else _activation_only(*fused)
             _set(model, name, new)
             target = {"bn": "SyncBatchNorm", "gn": "GroupNorm", "none": "removed"}[norm]
             record.changes.append(_Change(name, bn, f"{type(bn).__name__} -> {target}"))
@@ -407,12 +455,15 @@ def _convert_norms(model, modules, graph_module, norm, process_group, unpaired, 
         )
         for name in lonely:
             bn = modules[name]
-            _set(model, name, _new_norm("bn", bn, process_group, {}))
+            new = _new_norm("bn", bn, process_group, {})
+            fused = _fused_activation(bn)
+            _set(model, name, _with_activation(new, *fused) if fused is not None else new)
             record.changes.append(_Change(name, bn, f"{type(bn).__name__} -> SyncBatchNorm (unpaired)"))
     label = "CBN" if norm == "cbn" else "POPNorm"
     for op_name, bn_name in pairs:
         bn, op = modules[bn_name], modules[op_name]
-        _set(model, bn_name, _new_norm("none", bn, process_group, {}))
+        fused = _fused_activation(bn)
+        _set(model, bn_name, _activation_only(*fused) if fused is not None else _new_norm("none", bn, process_group, {}))
         record.changes.append(_Change(bn_name, bn, f"{type(bn).__name__} -> removed (pre-op {label})"))
         _set(model, op_name, PreNorm(_pre_norm(norm, op, process_group, layer_kwargs), op).train(op.training))
         record.changes.append(_Change(op_name, op, f"{type(op).__name__} -> {label} + {type(op).__name__}"))
