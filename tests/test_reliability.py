@@ -267,3 +267,34 @@ def test_setup_mismatches_raise_on_every_rank(tmp_path, digits, what, expected):
     messages = run_distributed(_setup_mismatch_worker, 2, tmp_path, what, str(digits))
     for message in messages:  # every rank raises, naming the item and what each rank has
         assert message is not None and expected in message and "ranks [0]" in message and "ranks [1]" in message
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs to fill (needs root)")
+def test_full_disk_while_checkpointing_stops_every_rank_cleanly(tmp_path, digits):
+    """A real full file system (a 4 MiB tmpfs: room for one 2.2 MB checkpoint, not two).
+    Bug caught: every rank died with 'basic_ios::clear: iostream error' and the partial
+    directory stayed behind."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(disk)], check=True)
+    try:
+        run = disk / "run"
+        started = time.time()
+        codes = _finish(_start(2, lambda r: _overrides(digits, run, "output.checkpoint_every_steps=2",
+                                                      "train.max_steps=6"), tmp_path), timeout=300)
+        elapsed = time.time() - started
+        assert None not in codes and all(c != 0 for c in codes), codes
+        for rank in range(2):  # every rank says what happened, where, and how much space is left
+            err = (tmp_path / f"err{rank}.txt").read_text()
+            assert "checkpoint step_000000004 was not written" in err, err[-3000:]
+            assert "no space left on device" in err and "MiB free" in err and str(run / "checkpoints") in err
+        checkpoints = run / "checkpoints"
+        assert not list(checkpoints.glob("*.tmp"))  # the partial directory is gone
+        from distnorm.train.checkpoint import verify_checkpoint
+
+        assert verify_checkpoint(checkpoints / "step_000000002") is None  # the earlier one is intact
+        line = [l for l in (tmp_path / "err0.txt").read_text().splitlines() if "no space left" in l][0]
+        print(f"FIGURE full-disk: both ranks exited {codes} after {elapsed:.1f} s; {line.strip()[:200]}")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["CheckpointManager", "verify_checkpoint"]
+__all__ = ["CheckpointManager", "CheckpointWriteError", "verify_checkpoint"]
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -61,6 +61,28 @@ def verify_checkpoint(directory: Path) -> str | None:
     return None
 
 
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed on at least one rank (raised on every rank)."""
+
+
+def _describe_write_failure(err: BaseException, where: Path) -> str:
+    """What went wrong writing under ``where``, with the free space there: a full disk shows
+    up as ``OSError(ENOSPC)`` from Python, but as ``RuntimeError: ... iostream error`` from
+    ``torch.save``'s C++ writer, so the free space is what tells."""
+    import errno
+
+    probe = where if where.exists() else where.parent
+    try:
+        usage = shutil.disk_usage(probe)
+        space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB on the file system of {probe}"
+        full = usage.free < 2**20
+    except OSError:
+        space, full = "free space unknown", False
+    if getattr(err, "errno", None) == errno.ENOSPC or full:
+        return f"no space left on device while writing {where} ({space}): {err}"
+    return f"writing {where} failed ({space}): {type(err).__name__}: {err}"
+
+
 class CheckpointManager:
     """Save / find checkpoints under ``root``.
 
@@ -69,13 +91,33 @@ class CheckpointManager:
         keep_last: number of complete checkpoints to keep.
         is_main: whether this process is rank 0 (it alone writes manifests and renames).
         barrier: a collective barrier over all ranks.
+        gather: every rank's text, given this rank's (a collective); ``None`` in one process.
+            Used to agree on failures, so that a rank whose write failed never leaves the
+            others waiting in a barrier.
     """
 
-    def __init__(self, root: str | os.PathLike, keep_last: int, is_main: bool, barrier: Callable[[], None]):
+    def __init__(self, root: str | os.PathLike, keep_last: int, is_main: bool, barrier: Callable[[], None],
+                 gather: Callable[[str], list[str]] | None = None):
         self.root = Path(root)
         self.keep_last = keep_last
         self.is_main = is_main
         self.barrier = barrier
+        self.gather = gather if gather is not None else (lambda text: [text])
+
+    def _agree(self, failure: str, tmp: Path) -> None:
+        """Raise :class:`CheckpointWriteError` on every rank if any rank failed, after rank 0
+        removed the partial directory (earlier checkpoints are untouched)."""
+        failures = [(rank, text) for rank, text in enumerate(self.gather(failure)) if text]
+        if not failures:
+            return
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        listing = "\n".join(f"  rank {rank}: {text}" for rank, text in failures)
+        raise CheckpointWriteError(
+            f"checkpoint {tmp.name.removesuffix('.tmp')} was not written; the partial directory was removed and "
+            f"the earlier checkpoints in {self.root} are intact:\n{listing}\n"
+            "Free space there (or point output.dir at a larger file system) and restart: the run resumes from "
+            "the newest complete checkpoint.")
 
     def _complete(self) -> list[Path]:
         if not self.root.is_dir():
@@ -87,28 +129,40 @@ class CheckpointManager:
         """Write checkpoint ``step`` with ``write(tmp_dir, state)`` on every rank; returns its path."""
         name = f"{PREFIX}{step:09d}"
         final, tmp = self.root / name, self.root / f"{name}.tmp"
+        failure = ""
         if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        self.barrier()
-        write(tmp, state)
-        self.barrier()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as err:
+                failure = _describe_write_failure(err, tmp)
+        self._agree(failure, tmp)
+        try:
+            write(tmp, state)
+        except Exception as err:  # noqa: BLE001 - torch.save / safetensors report a full disk in their own types
+            failure = _describe_write_failure(err, tmp)
+        self._agree(failure, tmp)
         if self.is_main:
-            files = {}
-            for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                _fsync(path)
-                files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-            manifest = tmp / MANIFEST
-            manifest.write_text(json.dumps({"step": step, "state": state, "files": files}, indent=1))
-            _fsync(manifest)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            latest = self.root / "latest.tmp"
-            latest.write_text(name)
-            _fsync(latest)
-            os.replace(latest, self.root / "latest")
+            try:
+                files = {}
+                for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                    _fsync(path)
+                    files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+                manifest = tmp / MANIFEST
+                manifest.write_text(json.dumps({"step": step, "state": state, "files": files}, indent=1))
+                _fsync(manifest)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)  # from here on the checkpoint is complete and verifiable
+                latest = self.root / "latest.tmp"
+                latest.write_text(name)
+                _fsync(latest)
+                os.replace(latest, self.root / "latest")
+            except OSError as err:
+                failure = _describe_write_failure(err, tmp if tmp.exists() else self.root)
+        self._agree(failure, tmp)
+        if self.is_main:
             for old in self._complete()[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
             for stale in self.root.glob(f"{PREFIX}*.tmp"):

@@ -106,6 +106,13 @@ def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
         assert_same_across_ranks(text, what, error=ConfigError)
 
 
+def _gather_texts(text: str) -> list[str]:
+    """Every rank's ``text`` (a collective over the default group)."""
+    from distnorm import _collectives
+
+    return _collectives.gather_texts(text, _collectives.sync_group(None))
+
+
 def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int) -> None:
     """Every rank resumes from the same checkpoint, written by as many ranks as this run has.
 
@@ -223,7 +230,8 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.yaml")
     writer = MetricsWriter(run_dir, enabled=main and not dry_run, tensorboard=cfg.output.tensorboard)
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.output.keep_last, main, engine.barrier)
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.output.keep_last, main, engine.barrier,
+                                    gather=_gather_texts if world > 1 else None)
     loss_fn = nn.CrossEntropyLoss()
 
     state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
