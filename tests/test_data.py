@@ -46,9 +46,11 @@ def test_imagefolder_round_trip_is_byte_identical(tmp_path):
     assert D.ShardIndex.load(tmp_path / "out" / "train-index.json") == index
     assert not list((tmp_path / "out").glob("*.tmp*"))
     samples = _read_shards(sorted((tmp_path / "out").glob("train-*.tar")))
-    assert [s["__key__"] for s in samples] == [source.key(i) for i in range(15)]
+    order = D.shards.sample_order(15, 0)  # the seeded write order, recorded in the index
+    assert index.shuffle_seed == 0 and sorted(order) == list(range(15)) and order != list(range(15))
+    assert [s["__key__"] for s in samples] == [source.key(i) for i in order]
     assert all("." not in s["__key__"] for s in samples)
-    for i, s in enumerate(samples):
+    for i, s in zip(order, samples):
         path = Path(source.files[i][0])
         assert int(s["cls"]) == source.files[i][1]
         if path.suffix == ".JPEG":
@@ -70,7 +72,7 @@ def test_writer_resumes_and_rewrites_only_bad_shards(tmp_path):
     D.write_shards(source, prefix, maxcount=5, progress=False)
     assert os.stat(shards[0]).st_mtime_ns == good_mtime and os.stat(shards[3]).st_mtime_ns == 1
     samples = _read_shards(sorted(tmp_path.glob("s-*.tar")))
-    assert [s["__key__"] for s in samples] == [source.key(i) for i in range(20)]
+    assert [s["__key__"] for s in samples] == [source.key(i) for i in D.shards.sample_order(20, 0)]
 
 
 def test_maxsize_plans_smaller_shards():
@@ -291,3 +293,56 @@ def test_bad_arguments(synth_shards):
         D.EvalLoader(f"{root}/other-000000.tar", index=index, batch_size=2)
     with pytest.raises(FileNotFoundError, match="distnorm-shards"):
         D.ShardIndex.load(f"{root}/missing-index.json")
+
+
+# ------------------------------------------------------------------ class mixing
+def _class_sorted_tree(root: Path, classes: int = 40, per_class: int = 100) -> Path:
+    """An ImageFolder tree at ImageNet's proportions (shard of 100 ~ 1,000 images of 1,000
+    classes): listed class by class, as ImageFolder lists ImageNet."""
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(buf, format="JPEG")
+    for c in range(classes):
+        d = root / f"n{c:04d}"
+        d.mkdir(parents=True)
+        for i in range(per_class):
+            (d / f"{i}.JPEG").write_bytes(buf.getvalue())
+    return root
+
+
+def _distinct_classes_per_batch(prefix: str, index: "D.ShardIndex", caplog=None) -> list[int]:
+    loader = D.TrainLoader(f"{prefix}-{{000000..{len(index.shards) - 1:06d}}}.tar", num_samples=index.total,
+                           batch_size=32, num_workers=0, shuffle_buffer=500, transform="digits", image_size=8)
+    loader.set_epoch(0)
+    return [len(set(labels.tolist())) for _, labels in loader]
+
+
+@pytest.mark.timeout(600)
+def test_shards_mix_classes_from_the_first_batch(tmp_path, caplog):
+    """Bug caught: shards cut from ImageFolder's class-by-class order held one or two classes
+    each; batches of 32 then held 10.5 distinct classes (6.4 at the start of the epoch)
+    against 22.2 for an i.i.d. draw — biased batch statistics."""
+    tree = _class_sorted_tree(tmp_path / "train")
+    iid = 40 * (1 - (39 / 40) ** 32)  # expected distinct classes in 32 i.i.d. draws: 22.2
+    source = D.ImageFolderSource(str(tree))
+    index = D.write_shards(source, str(tmp_path / "mixed"), maxcount=100, progress=False)
+    assert index.shuffle_seed == 0 and not index.class_sorted_shards()
+    assert min(s.classes_held() for s in index.shards) > 25  # ~37 classes per shard of 100
+    with caplog.at_level("WARNING"):
+        mixed = _distinct_classes_per_batch(str(tmp_path / "mixed"), index)
+    assert sum(mixed) / len(mixed) >= 0.9 * iid and sum(mixed[:5]) / 5 >= 0.9 * iid, (mixed[:5], iid)
+    assert "class order" not in caplog.text
+
+    # the same order whatever the number of writer processes, and on a rerun
+    again = D.write_shards(source, str(tmp_path / "again"), maxcount=100, progress=False, workers=2)
+    assert [s.class_counts for s in again.shards] == [s.class_counts for s in index.shards]
+    for a, b in zip(sorted(tmp_path.glob("mixed-*.tar")), sorted(tmp_path.glob("again-*.tar"))):
+        assert a.read_bytes() == b.read_bytes()
+
+    # source order reproduces the bias; the index and the loader both say so
+    plain = D.write_shards(source, str(tmp_path / "sorted"), maxcount=100, progress=False, shuffle_seed=None)
+    assert len(plain.class_sorted_shards()) == 40
+    with caplog.at_level("WARNING"):
+        biased = _distinct_classes_per_batch(str(tmp_path / "sorted"), plain)
+    assert sum(biased[:5]) / 5 < 0.6 * iid
+    assert "look written in class order" in caplog.text

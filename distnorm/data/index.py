@@ -2,8 +2,12 @@
 
 ``{prefix}-index.json``::
 
-    {"format": "distnorm-shards/1", "classes": [...], "total": 1281167,
-     "shards": [{"name": "train-000000.tar", "count": 1000}, ...]}
+    {"format": "distnorm-shards/1", "classes": [...], "total": 1281167, "shuffle_seed": 0,
+     "shards": [{"name": "train-000000.tar", "count": 1000, "class_counts": {"0": 1, "7": 2, ...}}, ...]}
+
+``shuffle_seed`` is the seed of the order samples were written in (``null``: the source's
+order); ``class_counts`` the labels in each shard. Both are absent from indexes written
+before they existed (and from tools other than ``distnorm-shards``).
 
 Loaders use it to size epochs (train) and to plan an exact-once evaluation (val) without
 reading any shard; it is small enough to keep local even when the shards are remote.
@@ -30,6 +34,10 @@ def index_path(prefix: str) -> str:
 class ShardInfo:
     name: str
     count: int
+    class_counts: dict[str, int] | None = None
+
+    def classes_held(self) -> int | None:
+        return None if self.class_counts is None else sum(1 for n in self.class_counts.values() if n)
 
 
 @dataclass
@@ -38,6 +46,7 @@ class ShardIndex:
     shards: list[ShardInfo]
     total: int = field(default=-1)
     format: str = FORMAT
+    shuffle_seed: int | None = None
 
     def __post_init__(self) -> None:
         self.shards = [s if isinstance(s, ShardInfo) else ShardInfo(**s) for s in self.shards]
@@ -69,6 +78,20 @@ class ShardIndex:
         if raw.get("format") != FORMAT:
             raise ValueError(f"{path}: not a distnorm shard index (format {raw.get('format')!r})")
         return cls(**raw)
+
+    def class_sorted_shards(self) -> list[str]:
+        """Shards that hold far fewer classes than a random draw of their size would (at
+        most 2 % of their samples, and at most 2 classes for small shards): the signature of
+        shards written in class order. Empty when the index has no class counts."""
+        sorted_like = []
+        for shard in self.shards:
+            held = shard.classes_held()
+            if held is None or shard.count < 32 or len(self.classes) < 4:
+                continue
+            expected = len(self.classes) * (1 - (1 - 1 / len(self.classes)) ** shard.count)
+            if held <= max(2, 0.1 * expected):
+                sorted_like.append(shard.name)
+        return sorted_like
 
     def local_urls(self, directory: str | os.PathLike) -> list[str]:
         """Shard paths next to the index in ``directory``."""

@@ -148,6 +148,36 @@ class _ErrorLog:
         return True
 
 
+class _ClassOrderWatch:
+    """Warns (once per worker) when a shard turns out to hold a single class or two: shards
+    written in class order (an ImageFolder cut into consecutive ranges, as tools other than
+    ``distnorm-shards`` do) leave every shuffle buffer with a handful of classes, and batch
+    statistics — what this project normalizes with — with a biased sample."""
+
+    MIN_SAMPLES = 64
+
+    def __init__(self, shuffle_buffer: int):
+        self.shuffle_buffer = shuffle_buffer
+        self.url, self.labels, self.count, self.warned = None, set(), 0, False
+
+    def see(self, url: str, label: Any) -> None:
+        if url != self.url:
+            self._check()
+            self.url, self.labels, self.count = url, set(), 0
+        self.labels.add(label)
+        self.count += 1
+
+    def _check(self) -> None:
+        if self.warned or self.url is None or self.count < self.MIN_SAMPLES or len(self.labels) > 2:
+            return
+        self.warned = True
+        logger.warning(
+            "shard %s holds %d class(es) in %d samples: the shards look written in class order, so a "
+            "shuffle buffer of %d samples mixes only a few classes and batch statistics are biased. "
+            "Rewrite them with distnorm-shards (it writes samples in a seeded random order).",
+            self.url, len(self.labels), self.count, self.shuffle_buffer)
+
+
 def _decode(sample: dict, transform: Callable, log: _ErrorLog):
     """``(tensor, label, key)`` or ``None`` (recorded in ``log``) for one raw sample."""
     key, url = sample.get("__key__", "?"), sample.get("__url__", "?")
@@ -207,6 +237,7 @@ class _TrainStream(IterableDataset):
         stream_seed = _seed(self.seed, self.epoch)
         role_seed = _seed(self.seed, self.epoch, self.rank, role)
         log = _ErrorLog(self.on_error)
+        watch = _ClassOrderWatch(self.shuffle_buffer)
         rank, world = self.rank, self.world_size
 
         def split_by_rank(src):  # the explicit node splitter: rank r takes r, r+W, r+2W, ...
@@ -233,6 +264,11 @@ class _TrainStream(IterableDataset):
                 if index >= skipped * self.batch_size:
                     yield sample
 
+        def watch_class_order(src):  # in shard order, before the shuffle buffer
+            for sample in src:
+                watch.see(sample.get("__url__"), sample.get("cls"))
+                yield sample
+
         pipeline = wds.DataPipeline(
             # One infinite, seeded stream of shards, identical on every rank and worker
             # (worker_seed=0), then split: deterministic, disjoint per (rank, worker).
@@ -240,6 +276,7 @@ class _TrainStream(IterableDataset):
             split_by_rank,
             split_by_worker,
             wds.tarfile_to_samples(handler=log.tar_handler),
+            watch_class_order,
             wds.shuffle(self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000), seed=role_seed),
             skip_raw,
             decode,

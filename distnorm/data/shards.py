@@ -12,8 +12,13 @@ Python, :func:`write_shards` takes any source of :mod:`distnorm.data.sources`, a
 :class:`~distnorm.data.sources.DatasetSource` wraps any torchvision dataset object.
 
 Each sample is ``__key__`` (no dots), ``jpg`` (the original bytes when the source is
-JPEG, never re-encoded) and ``cls`` (the integer label). The assignment of samples to shards
-is planned up front (``--maxcount`` samples and, optionally, ``--maxsize`` bytes per shard),
+JPEG, never re-encoded) and ``cls`` (the integer label). **Samples are written in a seeded
+random order** (``--shuffle-seed``, default 0; ``--no-shuffle`` keeps the source order), so
+every shard mixes classes: an ImageFolder lists ImageNet class by class, and shards cut from
+that order hold one or two classes each, which a loader's shuffle buffer cannot undo (see
+the README). The order depends on the seed and the number of samples only — not on
+``--workers`` or on reruns — and is recorded in the index with each shard's class counts.
+The assignment of samples to shards is planned up front (``--maxcount`` samples and, optionally, ``--maxsize`` bytes per shard),
 so parallel workers and resumed runs produce the same shards. Every shard is written under
 a temporary name, read back with WebDataset and compared with the plan (keys, labels and
 payload bytes), fsynced, and only then renamed into place; a rerun skips shards that are
@@ -25,7 +30,9 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import random
 import sys
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Sequence
@@ -39,7 +46,7 @@ from distnorm.data.sources import (
     SyntheticSource,
 )
 
-__all__ = ["plan_shards", "write_shards", "shard_name", "main"]
+__all__ = ["plan_shards", "sample_order", "write_shards", "shard_name", "main"]
 
 TAR_BLOCK = 512
 FIXED_MTIME = 0.0  # reproducible tar headers
@@ -64,27 +71,40 @@ def _tar_bytes(payload: int) -> int:
     return 2 * TAR_BLOCK + padded(payload) + padded(8)
 
 
-def plan_shards(source: ShardSource, maxcount: int, maxsize: int | None = None) -> list[range]:
-    """Consecutive sample ranges, one per shard, each within ``maxcount`` / ``maxsize``."""
+def sample_order(num_samples: int, shuffle_seed: int | None) -> list[int]:
+    """The order samples are written in: a permutation drawn from ``shuffle_seed`` alone
+    (the same for every run and every number of writer processes), or the source order
+    for ``None``."""
+    order = list(range(num_samples))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    return order
+
+
+def plan_shards(source: ShardSource, maxcount: int, maxsize: int | None = None, *,
+                shuffle_seed: int | None = 0) -> list[list[int]]:
+    """Source indices per shard: consecutive runs of :func:`sample_order`, each within
+    ``maxcount`` samples and ``maxsize`` bytes."""
     if maxcount < 1:
         raise ValueError(f"maxcount must be >= 1, got {maxcount}")
     if maxsize is not None and maxsize < 1:
         raise ValueError(f"maxsize must be >= 1 byte, got {maxsize}")
-    plan: list[range] = []
-    start, size = 0, 0
-    for i in range(len(source)):
+    plan: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i in sample_order(len(source), shuffle_seed):
         sample = _tar_bytes(source.size_hint(i)) if maxsize else 0
-        count = i - start
-        if count and (count >= maxcount or (maxsize and size + sample > maxsize)):
-            plan.append(range(start, i))
-            start, size = i, 0
+        if current and (len(current) >= maxcount or (maxsize and size + sample > maxsize)):
+            plan.append(current)
+            current, size = [], 0
+        current.append(i)
         size += sample
-    if len(source) > start:
-        plan.append(range(start, len(source)))
+    if current:
+        plan.append(current)
     return plan
 
 
-def _verify(path: str, source: ShardSource, indices: range) -> str | None:
+def _verify(path: str, source: ShardSource, indices: Sequence[int]) -> str | None:
     """Read ``path`` back with WebDataset; return a reason if it differs from the plan."""
     wds = _wds()
     try:
@@ -101,7 +121,7 @@ def _verify(path: str, source: ShardSource, indices: range) -> str | None:
     return None
 
 
-def _write_one(source: ShardSource, path: str, indices: range) -> tuple[str, int]:
+def _write_one(source: ShardSource, path: str, indices: Sequence[int]) -> tuple[str, int]:
     """Write one shard under a temporary name, verify it, fsync, rename. Returns (path, bytes)."""
     wds = _wds()
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -130,16 +150,19 @@ def write_shards(
     maxsize: int | None = None,
     workers: int = 1,
     progress: bool = True,
+    shuffle_seed: int | None = 0,
 ) -> ShardIndex:
     """Write ``source`` as WebDataset shards ``{prefix}-NNNNNN.tar`` and their index.
 
-    Resumable: shards that already exist and verify against the plan are skipped.
+    Samples go in the seeded random order of :func:`sample_order` (``shuffle_seed=None``:
+    source order). Resumable: shards that already exist and verify against the plan are
+    skipped.
 
     Returns:
         The :class:`~distnorm.data.index.ShardIndex` written to ``{prefix}-index.json``.
     """
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    plan = plan_shards(source, maxcount, maxsize)
+    plan = plan_shards(source, maxcount, maxsize, shuffle_seed=shuffle_seed)
     paths = [shard_name(prefix, i) for i in range(len(plan))]
     todo = [i for i, path in enumerate(paths) if not (os.path.exists(path) and _verify(path, source, plan[i]) is None)]
     skipped = len(plan) - len(todo)
@@ -161,10 +184,18 @@ def write_shards(
     bar.close()
     index = ShardIndex(
         classes=list(source.classes),
-        shards=[ShardInfo(name=Path(p).name, count=len(r)) for p, r in zip(paths, plan)],
+        shards=[ShardInfo(name=Path(p).name, count=len(r), class_counts=_class_counts(source, r))
+                for p, r in zip(paths, plan)],
+        shuffle_seed=shuffle_seed,
     )
     index.save(index_path(prefix))
     return index
+
+
+def _class_counts(source: ShardSource, indices: Sequence[int]) -> dict[str, int]:
+    """``{label: samples}`` of one shard (JSON keys are strings)."""
+    counts = Counter(source.label(i) for i in indices)
+    return {str(label): n for label, n in sorted(counts.items())}
 
 
 def source_from_spec(spec: str, args: argparse.Namespace) -> ShardSource:
@@ -199,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--maxcount", type=int, default=1000, help="samples per shard (default 1000)")
     parser.add_argument("--maxsize", type=int, default=None, help="bytes per shard (approximate tar size)")
     parser.add_argument("--workers", type=int, default=1, help="parallel writer processes")
+    parser.add_argument("--shuffle-seed", type=int, default=0,
+                        help="seed of the random order samples are written in, so every shard mixes classes (default 0)")
+    parser.add_argument("--no-shuffle", action="store_true",
+                        help="write in the source's order (an ImageFolder's is class by class: shards of one class)")
     parser.add_argument("--split", default="train", help="digits / torchvision split: train or val (default train)")
     parser.add_argument("--num-samples", type=int, default=10_000, help="synthetic: number of images")
     parser.add_argument("--num-classes", type=int, default=1000, help="synthetic: number of classes")
@@ -213,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         source = source_from_spec(args.src, args)
         index = write_shards(source, args.out_prefix, maxcount=args.maxcount, maxsize=args.maxsize,
-                             workers=args.workers, progress=not args.quiet)
+                             workers=args.workers, progress=not args.quiet,
+                             shuffle_seed=None if args.no_shuffle else args.shuffle_seed)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"distnorm-shards: error: {err}", file=sys.stderr)
         return 2

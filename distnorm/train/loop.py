@@ -209,6 +209,13 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
         train_loader = eval_loader = None
     else:
         index = ShardIndex.load(d.train_index)
+        class_sorted = index.class_sorted_shards()
+        if class_sorted and rank == 0:
+            logger.warning(
+                "%d of %d training shards hold only one or two classes (e.g. %s): they were written in class "
+                "order, so batches are not mixed and batch statistics are biased. Rewrite them with "
+                "distnorm-shards, which writes samples in a seeded random order.",
+                len(class_sorted), len(index.shards), class_sorted[:3])
         train_loader = TrainLoader(
             d.train_shards, num_samples=index.total, batch_size=per_rank, rank=rank, world_size=world,
             seed=cfg.train.seed, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
