@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-gpu demo bench clean
+.PHONY: install test test-gpu test-cluster demo bench clean
 
 install: $(STAMP)
 
@@ -17,7 +17,13 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster" $(PYTEST_ARGS)
+
+# Multi-host runs on simulated hosts (network namespaces; needs root): every launch path
+# across two hosts, faults across hosts, and what the network costs (tc netem).
+test-cluster: $(STAMP)
+	$(PY) -m pytest -q -s -m cluster tests/test_cluster.py $(PYTEST_ARGS)
+	$(PY) bench/network.py --json bench/results/network-cpu.json --plot docs/network.png
 
 # On a machine with CUDA (2+ GPUs for the NCCL tests): the CUDA equivalence, compile and
 # checkpointing tests, the CPU suite's kernel-contract and launch-cost tests, and the layer and
