@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Cluster", "Host", "available"]
+__all__ = ["Cluster", "Host", "available", "qdisc_available"]
 
 PREFIX = "dn"
 
@@ -117,11 +117,24 @@ class Host:
     def restore(self) -> None:
         _sh("ip", "link", "set", self.link, "up")
 
-    def netem(self, spec: str | None) -> None:
-        """Shape this host's traffic with ``tc netem`` (e.g. ``"delay 1ms rate 1gbit"``), or clear it."""
+    def shape(self, qdisc: str | None) -> None:
+        """Shape this host's outgoing traffic with a ``tc`` root qdisc (``"netem delay 1ms"``,
+        ``"tbf rate 1gbit burst 256kb latency 50ms"``), or clear it (``None``)."""
         _sh("ip", "netns", "exec", self.netns, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
-        if spec:
-            _sh("ip", "netns", "exec", self.netns, "tc", "qdisc", "add", "dev", "eth0", "root", "netem", *spec.split())
+        if qdisc:
+            _sh("ip", "netns", "exec", self.netns, "tc", "qdisc", "add", "dev", "eth0", "root", *qdisc.split())
+
+
+def qdisc_available(qdisc: str) -> str | None:
+    """``None`` if this kernel accepts ``qdisc`` (e.g. ``"netem delay 1ms"``), else why not."""
+    probe = f"{PREFIX}q{os.getpid()}"
+    _sh("ip", "netns", "add", probe)
+    try:
+        _sh("ip", "netns", "exec", probe, "ip", "link", "set", "lo", "up")
+        added = _sh("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", *qdisc.split(), check=False)
+        return None if added.returncode == 0 else (added.stderr.strip() or f"tc exit {added.returncode}")
+    finally:
+        _sh("ip", "netns", "delete", probe, check=False)
 
 
 class Cluster:
