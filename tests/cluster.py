@@ -199,6 +199,38 @@ class Cluster:
             shutil.rmtree(Path("/etc/netns") / h.netns, ignore_errors=True)
         _sh("ip", "link", "delete", self.bridge, check=False)
 
+    # ----------------------------------------------------------------------- ssh
+    def start_ssh(self, workdir: Path) -> None:
+        """Passwordless root ssh between the hosts, as a cluster has it: a key made for this
+        cluster, an sshd on every host, and a host-wide client config (``/etc/netns/<ns>/ssh``
+        is mounted over ``/etc/ssh`` inside the host) that uses the key and trusts the hosts."""
+        if shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists():
+            raise RuntimeError("start_ssh needs openssh-server (apt-get install openssh-server)")
+        workdir.mkdir(parents=True, exist_ok=True)
+        key, host_key = workdir / "id_ed25519", workdir / "host_ed25519"
+        for path in (key, host_key):
+            if not path.exists():
+                _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path))
+        (workdir / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+        for h in self.hosts:
+            etc = Path("/etc/netns") / h.netns / "ssh"
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "ssh_config").write_text(
+                f"Host *\n  IdentityFile {key}\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+                "  LogLevel ERROR\n  BatchMode yes\n")
+            (etc / "sshd_config").write_text(
+                f"ListenAddress {h.address}\nHostKey {host_key}\nPermitRootLogin prohibit-password\n"
+                f"AuthorizedKeysFile {workdir}/authorized_keys\nStrictModes no\nUsePAM no\nPidFile none\n"
+                "PasswordAuthentication no\nKbdInteractiveAuthentication no\n")
+            h.start("exec /usr/sbin/sshd -D -e -f /etc/ssh/sshd_config", log=workdir / f"sshd-{h.name}.log")
+        deadline = time.time() + 20
+        for h in self.hosts:
+            while self.hosts[0].run(f"ssh {h.name} true", timeout=20).returncode != 0:
+                if time.time() > deadline:
+                    raise RuntimeError(f"ssh to {h.name} does not work: " + (workdir / f"sshd-{h.name}.log").read_text())
+                time.sleep(0.2)
+
     # ------------------------------------------------------------------- running
     def run_everywhere(self, cmd: str, *, env_of=None, logs: Path | None = None, timeout: float = 600,
                        cwd: str | Path | None = None) -> list[int | None]:

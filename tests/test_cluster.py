@@ -202,3 +202,46 @@ def test_killed_host_then_restart_resumes_exactly(cluster, digits, tmp_path):
     for r in after:
         assert r["loss"] == pytest.approx(reference[r["step"]]["loss"], rel=1e-5, abs=1e-6)
     print(f"FIGURE host-killed restart: resumed at step {resume['global_step']}, losses equal to the uninterrupted run")
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+@pytest.mark.world_size(2)
+@pytest.mark.skipif(not all(Path(p).exists() for p in ("/usr/sbin/sshd", "/usr/bin/pdsh")),
+                    reason="needs openssh-server and pdsh (apt-get install openssh-server pdsh)")
+def test_deepspeed_runner_with_a_hostfile_over_ssh(cluster, digits, tmp_path):
+    """launch/deepspeed.sh with HOSTFILE on the head: the DeepSpeed runner reaches both hosts
+    over ssh (pdsh; sshd on every host, a key made for this test) and trains as the same
+    runner does with 2 processes on one host."""
+    overrides = lambda run: [*_overrides(digits, run, 4), "train.engine=deepspeed",  # noqa: E731
+                             "train.deepspeed_config=configs/deepspeed/zero2_fp32.json", "train.cpu=true"]
+    reference = tmp_path / "one"
+    local = subprocess.run([str(REPO / "launch" / "deepspeed.sh"), str(DEMO), *overrides(reference)], cwd=REPO,
+                           env=_env(0, NUM_GPUS="2", DS_ACCELERATOR="cpu", MASTER_PORT="29520",
+                                    PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"),
+                           capture_output=True, text=True, timeout=600)
+    assert local.returncode == 0, local.stderr[-3000:]
+
+    cluster.start_ssh(tmp_path / "ssh")
+    head, other = cluster.hosts
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"{head.name} slots=1\n{other.name} slots=1\n")
+    ds_env = tmp_path / "ds_env"  # what the runner exports to every host (DeepSpeed reads DS_ENV_FILE)
+    ds_env.write_text("DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=1\n")
+    run = tmp_path / "two"
+    proc = head.start(" ".join([str(REPO / "launch" / "deepspeed.sh"), str(DEMO), *overrides(run)]), cwd=REPO,
+                      log=tmp_path / "runner.log",
+                      env=_env(0, HOSTFILE=str(hostfile), MASTER_ADDR=head.name, MASTER_PORT="29521",
+                               DS_ACCELERATOR="cpu", DS_ENV_FILE=str(ds_env)))
+    assert wait_all([proc], timeout=600) == [0], (tmp_path / "runner.log").read_text()[-3000:]
+    log = (tmp_path / "runner.log").read_text()
+    assert f"{other.name}: " in log  # pdsh prefixes each remote host's output with its name
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    assert json.loads((latest / "manifest.json").read_text())["state"]["world_size"] == 2
+    a, b = _records(run, "train"), _records(reference, "train")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    # Open question (see the README): the losses agree to ~3e-3 only, from the first step on,
+    # while torchrun and Accelerate across hosts match one host to 1e-6. Held to that here
+    # so that a larger divergence still fails.
+    for ra, rb in zip(a, b):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=5e-2)
