@@ -81,17 +81,20 @@ def _assert_same_training(run: Path, reference: Path) -> None:
         torch.testing.assert_close(final[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _train_on_both(cluster, cmd: str, logs: Path, **env: str) -> None:
+    """Run ``cmd`` on both hosts (NODE_RANK per host, ``env`` on each) and require success."""
+    codes = cluster.run_everywhere(cmd, cwd=REPO, logs=logs, env_of=lambda h: _env(h.index, **env))
+    assert codes == [0, 0], {h.name: (logs / f"{h.name}.log").read_text()[-2000:] for h in cluster.hosts}
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
 def test_torchrun_c10d_across_two_hosts_equals_one_host(cluster, digits, tmp_path, one_host):
     """launch/torchrun.sh on each host with MASTER_ADDR = the head's name: the c10d store is
     hosted by the node whose name matches, found through each host's own /etc/hosts."""
     run = tmp_path / "run"
-    head = cluster.hosts[0].name
-    codes = cluster.run_everywhere(_torchrun_cmd(_overrides(digits, run, 6)), cwd=REPO, logs=tmp_path,
-                                   env_of=lambda h: _env(h.index, NNODES="2", NPROC="1", MASTER_ADDR=head, MASTER_PORT="29500"))
-    logs = {h.name: (tmp_path / f"{h.name}.log").read_text()[-3000:] for h in cluster.hosts}
-    assert codes == [0, 0], logs
+    _train_on_both(cluster, _torchrun_cmd(_overrides(digits, run, 6)), tmp_path, NNODES="2", NPROC="1",
+                   MASTER_ADDR=cluster.hosts[0].name, MASTER_PORT="29500")
     _assert_same_training(run, one_host)
 
 
@@ -139,11 +142,8 @@ def test_link_cut_mid_step_ends_both_hosts(cluster, digits, tmp_path):
 @pytest.mark.world_size(2)
 def test_torchrun_static_across_two_hosts_equals_one_host(cluster, digits, tmp_path, one_host):
     run = tmp_path / "run"
-    head = cluster.hosts[0].name
-    codes = cluster.run_everywhere(_torchrun_cmd(_overrides(digits, run, 6)), cwd=REPO, logs=tmp_path,
-                                   env_of=lambda h: _env(h.index, NNODES="2", NPROC="1", RDZV="static",
-                                                         MASTER_ADDR=head, MASTER_PORT="29502"))
-    assert codes == [0, 0], [(tmp_path / f"{h.name}.log").read_text()[-2000:] for h in cluster.hosts]
+    _train_on_both(cluster, _torchrun_cmd(_overrides(digits, run, 6)), tmp_path, NNODES="2", NPROC="1",
+                   RDZV="static", MASTER_ADDR=cluster.hosts[0].name, MASTER_PORT="29502")
     _assert_same_training(run, one_host)
 
 
@@ -158,8 +158,7 @@ def test_accelerate_multi_node_across_two_hosts_equals_one_host(cluster, digits,
     cmd = (f"{accelerate} launch --config_file {REPO}/launch/accelerate/multi_node_cpu.yaml --machine_rank $NODE_RANK "
            f"--main_process_ip {head} --main_process_port 29503 -m distnorm.train --config {DEMO} "
            + " ".join(_overrides(digits, run, 6)))
-    codes = cluster.run_everywhere(cmd, cwd=REPO, logs=tmp_path, env_of=lambda h: _env(h.index))
-    assert codes == [0, 0], [(tmp_path / f"{h.name}.log").read_text()[-2000:] for h in cluster.hosts]
+    _train_on_both(cluster, cmd, tmp_path)
     _assert_same_training(run, one_host)
 
 
