@@ -34,5 +34,26 @@ fi
 [[ -n "${MASTER_PORT:-}" ]] && ARGS+=(--master_port "$MASTER_PORT")
 
 "$PYTHON" -m distnorm.train --config "$CONFIG" --check --world-size "$WORLD" "$@"
+
+# With a hostfile the runner starts the workers through pdsh, which hands the command line to
+# each host's shell: data.train_shards=...-{000000..000005}.tar would be brace-expanded there
+# into six arguments (DeepSpeed quotes only arguments with spaces, in double quotes). Escape
+# every argument for that shell; refuse what cannot pass through double quotes unchanged.
+WORKER_ARGS=(--config "$CONFIG" "$@")
+if [[ -n "${HOSTFILE:-}" ]]; then
+  ESCAPED=()
+  for arg in "${WORKER_ARGS[@]}"; do
+    if [[ "$arg" =~ [[:space:]] ]]; then
+      if [[ "$arg" == *[\$\`\\]* ]]; then
+        echo "launch/deepspeed.sh: the argument '$arg' has spaces and one of \$ \` \\, which the runner's remote shell would change; put that value in the YAML config" >&2
+        exit 2
+      fi
+      ESCAPED+=("$arg")  # the runner wraps it in double quotes
+    else
+      ESCAPED+=("$(printf '%q' "$arg")")
+    fi
+  done
+  WORKER_ARGS=("${ESCAPED[@]}")
+fi
 # Workers get --local_rank=N from the runner; distnorm-train accepts it (LOCAL_RANK wins).
-exec "$DEEPSPEED" "${ARGS[@]}" --module distnorm.train --config "$CONFIG" "$@"
+exec "$DEEPSPEED" "${ARGS[@]}" --module distnorm.train "${WORKER_ARGS[@]}"

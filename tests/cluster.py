@@ -153,6 +153,8 @@ class Cluster:
             for i in range(hosts)
         ]
         self._up = False
+        self.slurm_env: dict[str, str] | None = None
+        self._slurm_dir: Path | None = None
 
     # ----------------------------------------------------------------- lifecycle
     def __enter__(self) -> "Cluster":
@@ -231,6 +233,63 @@ class Cluster:
                     raise RuntimeError(f"ssh to {h.name} does not work: " + (workdir / f"sshd-{h.name}.log").read_text())
                 time.sleep(0.2)
 
+    # --------------------------------------------------------------------- slurm
+    def start_slurm(self, workdir: Path) -> dict[str, str]:
+        """A Slurm cluster on the hosts, as a real one is laid out: ``slurmctld`` on host 0,
+        one ``slurmd`` per host (``NodeName`` = the host's name, ``NodeAddr`` = its address),
+        munge shared (its socket is a file, reachable from every network namespace), state
+        under ``workdir`` (the shared file system). Returns the environment for Slurm's
+        commands (``SLURM_CONF``); submit from a host (``hosts[0].run("sbatch ...", env=...)``).
+        Needs Debian's slurm-wlm and munge."""
+        for tool in ("slurmctld", "slurmd", "munged"):
+            if shutil.which(tool) is None:
+                raise RuntimeError(f"start_slurm needs `{tool}` (apt-get install slurm-wlm munge)")
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "ctld").mkdir(exist_ok=True)
+        for h in self.hosts:
+            (workdir / f"spool-{h.name}").mkdir(exist_ok=True)
+        cpus = os.cpu_count() or 1
+        nodes = "".join(f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} RealMemory=2000 State=UNKNOWN\n"
+                        for h in self.hosts)
+        conf = workdir / "slurm.conf"
+        conf.write_text(
+            f"ClusterName=dn{self.id}\nSlurmctldHost={self.hosts[0].name}({self.hosts[0].address})\n"
+            "SlurmUser=root\nAuthType=auth/munge\nMpiDefault=none\n"
+            f"StateSaveLocation={workdir}/ctld\nSlurmdSpoolDir={workdir}/spool-%n\n"
+            f"SlurmctldPidFile={workdir}/slurmctld.pid\n"
+            # slurmd kills the process named in its pid file at start: one file per host, on a
+            # tmpfs of the host's own mount namespace (see _slurmd_command).
+            "SlurmdPidFile=/run/dn-slurmd/slurmd.pid\n"
+            f"SlurmctldLogFile={workdir}/slurmctld.log\nSlurmdLogFile={workdir}/slurmd-%n.log\n"
+            "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
+            "SelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\nSchedulerType=sched/backfill\n"
+            # A node that stops answering is DOWN after SlurmdTimeout (its jobs requeued), and
+            # back in service as soon as its slurmd registers again.
+            "SlurmdTimeout=10\nReturnToService=2\nJobRequeue=1\nKillWait=5\nMinJobAge=600\n"
+            f"{nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n")
+        (workdir / "cgroup.conf").write_text("")  # no cgroup plugin in use (linuxproc, task/none)
+        self.slurm_env = {**os.environ, "SLURM_CONF": str(conf)}
+        self._slurm_dir = workdir
+        Path("/run/munge").mkdir(exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        if _sh("pgrep", "-x", "munged", check=False).returncode != 0:
+            _sh("runuser", "-u", "munge", "--", "munged")
+        self.hosts[0].start("exec slurmctld -D", env=self.slurm_env, log=workdir / "slurmctld.out")
+        for h in self.hosts:
+            self.start_slurmd(h)
+        deadline = time.time() + 60
+        while True:
+            states = self.hosts[0].run("sinfo -h -N -o '%N %t'", env=self.slurm_env).stdout.split()
+            if states[1::2] and all(s == "idle" for s in states[1::2]) and len(states) == 2 * len(self.hosts):
+                return self.slurm_env
+            if time.time() > deadline:
+                raise RuntimeError(f"Slurm nodes did not become idle ({states}); see {workdir}/*.log")
+            time.sleep(0.5)
+
+    def start_slurmd(self, host: Host) -> None:
+        """(Re)start the slurmd of ``host`` (after :meth:`start_slurm`): a node coming back."""
+        host.start(_slurmd_command(host.name), env=self.slurm_env, log=self._slurm_dir / f"slurmd-{host.name}.out")
+
     # ------------------------------------------------------------------- running
     def run_everywhere(self, cmd: str, *, env_of=None, logs: Path | None = None, timeout: float = 600,
                        cwd: str | Path | None = None) -> list[int | None]:
@@ -240,6 +299,20 @@ class Cluster:
                          log=(logs / f"{h.name}.log") if logs is not None else None, cwd=cwd)
                  for h in self.hosts]
         return wait_all(procs, timeout)
+
+
+def _slurmd_command(node: str) -> str:
+    """slurmd for one host, in that host's mount namespace (``ip netns exec`` gives each command
+    its own, with a fresh /sys): a private /run/dn-slurmd for its pid file, and the machine's
+    cgroup hierarchies mounted again under the new /sys/fs/cgroup (slurmd refuses to start
+    without them), as read from this namespace's mount table."""
+    mounts = ["mkdir -p /run/dn-slurmd", "mount -t tmpfs tmpfs /run/dn-slurmd"]
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        dev, where, kind, opts = line.split()[:4]
+        if where.startswith("/sys/fs/cgroup"):
+            keep = ",".join(o for o in opts.split(",") if o not in ("rw", "ro", "relatime", "nosuid", "nodev", "noexec"))
+            mounts.append(f"mkdir -p {where} && mount -t {kind} {'-o ' + keep + ' ' if keep else ''}{dev} {where}")
+    return " && ".join([*mounts, f"exec slurmd -D -N {node}"])
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:

@@ -13,6 +13,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def merged_overrides(*items: str) -> list[str]:
+    """``section.key=value`` overrides with later ones replacing earlier ones of the same key
+    (distnorm-train refuses a key given twice)."""
+    merged: dict[str, str] = {}
+    for item in items:
+        merged[item.split("=", 1)[0]] = item
+    return list(merged.values())
+
+
 def write_digits_shards(root: Path) -> Path:
     """The demo digits as shards in ``root`` (6 train shards, 3 val shards)."""
     from distnorm import data as D

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import Cluster, available, wait_all
-from tests.helpers import digits_overrides
+from tests.helpers import digits_overrides, merged_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
@@ -38,12 +40,12 @@ def _env(node_rank: int, **extra: str) -> dict[str, str]:
 
 
 def _overrides(digits: Path, run: Path, steps: int, *extra: str) -> list[str]:
-    return [*digits_overrides(digits), f"train.max_steps={steps}", f"output.checkpoint_every_steps={steps}",
-            f"output.dir={run}", "output.progress=false", "output.log_every=1", *extra]
+    return merged_overrides(*digits_overrides(digits), f"train.max_steps={steps}", f"output.checkpoint_every_steps={steps}",
+                            f"output.dir={run}", "output.progress=false", "output.log_every=1", *extra)
 
 
 def _torchrun_cmd(overrides: list[str]) -> str:
-    return " ".join([str(REPO / "launch" / "torchrun.sh"), str(DEMO), *overrides])
+    return shlex.join([str(REPO / "launch" / "torchrun.sh"), str(DEMO), *overrides])
 
 
 def _records(run: Path, kind: str) -> list[dict]:
@@ -51,10 +53,15 @@ def _records(run: Path, kind: str) -> list[dict]:
 
 
 def _final_model(run: Path) -> dict:
+    """Every parameter and buffer of the newest checkpoint (Accelerate's safetensors file, or
+    DeepSpeed's module states: ZeRO-0..2 keep whole parameters there)."""
+    import torch
     from safetensors.torch import load_file
 
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
-    return load_file(latest / "model.safetensors")
+    if (latest / "model.safetensors").exists():
+        return load_file(latest / "model.safetensors")
+    return torch.load(latest / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +75,11 @@ def one_host(digits, tmp_path_factory):
     return run
 
 
-def _assert_same_training(run: Path, reference: Path) -> None:
+def _assert_same_training(run: Path, reference: Path, steps: int = 6) -> None:
     import torch
 
     a, b = _records(run, "train"), _records(reference, "train")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7) and ra["lr"] == rb["lr"]
     final, ref = _final_model(run), _final_model(reference)
@@ -157,7 +164,7 @@ def test_accelerate_multi_node_across_two_hosts_equals_one_host(cluster, digits,
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = (f"{accelerate} launch --config_file {REPO}/launch/accelerate/multi_node_cpu.yaml --machine_rank $NODE_RANK "
            f"--main_process_ip {head} --main_process_port 29503 -m distnorm.train --config {DEMO} "
-           + " ".join(_overrides(digits, run, 6)))
+           + shlex.join(_overrides(digits, run, 6)))
     _train_on_both(cluster, cmd, tmp_path)
     _assert_same_training(run, one_host)
 
@@ -228,7 +235,7 @@ def test_deepspeed_runner_with_a_hostfile_over_ssh(cluster, digits, tmp_path):
     ds_env = tmp_path / "ds_env"  # what the runner exports to every host (DeepSpeed reads DS_ENV_FILE)
     ds_env.write_text("DS_ACCELERATOR=cpu\nOMP_NUM_THREADS=1\n")
     run = tmp_path / "two"
-    proc = head.start(" ".join([str(REPO / "launch" / "deepspeed.sh"), str(DEMO), *overrides(run)]), cwd=REPO,
+    proc = head.start(shlex.join([str(REPO / "launch" / "deepspeed.sh"), str(DEMO), *overrides(run)]), cwd=REPO,
                       log=tmp_path / "runner.log",
                       env=_env(0, HOSTFILE=str(hostfile), MASTER_ADDR=head.name, MASTER_PORT="29521",
                                DS_ACCELERATOR="cpu", DS_ENV_FILE=str(ds_env)))
@@ -237,10 +244,112 @@ def test_deepspeed_runner_with_a_hostfile_over_ssh(cluster, digits, tmp_path):
     assert f"{other.name}: " in log  # pdsh prefixes each remote host's output with its name
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     assert json.loads((latest / "manifest.json").read_text())["state"]["world_size"] == 2
-    a, b = _records(run, "train"), _records(reference, "train")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
-    # Open question (see the README): the losses agree to ~3e-3 only, from the first step on,
-    # while torchrun and Accelerate across hosts match one host to 1e-6. Held to that here
-    # so that a larger divergence still fails.
-    for ra, rb in zip(a, b):
-        assert ra["loss"] == pytest.approx(rb["loss"], rel=5e-2)
+    # Same data, same initial model, same global batch: the same training as one host. (Before
+    # launch/deepspeed.sh escaped the arguments for pdsh's remote shell, the shard pattern was
+    # brace-expanded there and the run trained on one shard of six: losses ~3 % off.)
+    _assert_same_training(run, reference, steps=4)
+
+
+# ----------------------------------------------------------- Slurm across the hosts
+# Last in this file: the killed-host tests above kill every process of host 1, slurmd too.
+@pytest.fixture(scope="module")
+def slurm(cluster, tmp_path_factory):
+    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged")):
+        pytest.skip("needs Slurm and munge (apt-get install slurm-wlm munge)")
+    return cluster.start_slurm(tmp_path_factory.mktemp("slurm"))
+
+
+def _sbatch(cluster, slurm_env: dict, log_dir: Path, overrides: list[str]) -> str:
+    """launch/slurm.sbatch --nodes=2 submitted from the head host (the login node here); the
+    CPU twin of the GPU job: 1 process per node, no GPUs."""
+    cmd = shlex.join(["sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}",
+                      "--time=15:00", f"--output={log_dir}/slurm-%j.out", str(REPO / "launch" / "slurm.sbatch"),
+                      str(DEMO), *overrides])
+    submit = cluster.hosts[0].run(f"cd {REPO} && {cmd}", env={**slurm_env, **_env(0, NPROC="1")})
+    assert submit.returncode == 0, submit.stderr
+    return submit.stdout.strip().split(";")[0]
+
+
+def _job_state(cluster, slurm_env: dict, job: str) -> str:
+    out = cluster.hosts[0].run(f"scontrol show job {job}", env=slurm_env).stdout
+    return next((w.split("=")[1] for w in out.split() if w.startswith("JobState=")), "GONE")
+
+
+def _wait_job(cluster, slurm_env: dict, job: str, states: tuple[str, ...], log: Path, timeout: float) -> str:
+    deadline = time.time() + timeout
+    while (state := _job_state(cluster, slurm_env, job)) not in states:
+        assert time.time() < deadline, f"job {job} still {state}:\n" + (log.read_text()[-3000:] if log.exists() else "no log")
+        time.sleep(0.5)
+    return state
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+@pytest.mark.world_size(2)
+def test_slurm_sbatch_two_nodes_equals_one_host(cluster, slurm, digits, tmp_path, one_host):
+    """launch/slurm.sbatch --nodes=2 under slurmctld + one slurmd per host: one srun task per
+    node, each a torchrun.sh whose c10d rendezvous is on the first host of the allocation."""
+    run = tmp_path / "run"
+    job = _sbatch(cluster, slurm, tmp_path, _overrides(digits, run, 6))
+    log = tmp_path / f"slurm-{job}.out"
+    try:
+        state = _wait_job(cluster, slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), log, 600)
+    finally:
+        cluster.hosts[0].run(f"scancel {job}", env=slurm)
+    text = log.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    head = cluster.hosts[0].name
+    assert f"on {head.rsplit('-', 1)[0]}-h[0-1], head {head}:" in text, text[:500]
+    _assert_same_training(run, one_host)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+@pytest.mark.world_size(2)
+def test_slurm_node_failure_requeues_and_resumes(cluster, slurm, digits, tmp_path):
+    """Host 1 fails mid-training (its link cut, then every process on it killed, slurmd too):
+    Slurm marks the node DOWN after SlurmdTimeout, ends the job's step on the head and requeues
+    the batch job; when the host comes back (link up, slurmd restarted) the requeued job runs
+    again on both nodes and resumes from the last checkpoint to the end, the steps it redoes
+    with the losses they had before the failure."""
+    run = tmp_path / "run"
+    job = _sbatch(cluster, slurm, tmp_path, _overrides(digits, run, 30, "output.checkpoint_every_steps=5",
+                                                       "train.collective_timeout_s=300"))
+    log = tmp_path / f"slurm-{job}.out"
+    failed = cluster.hosts[1]
+    try:
+        deadline = time.time() + 400
+        while not ((run / "checkpoints" / "step_000000010").is_dir() and (run / "metrics.jsonl").exists()
+                   and max((r["step"] for r in _records(run, "train")), default=0) >= 12):
+            assert time.time() < deadline and _job_state(cluster, slurm, job) in ("PENDING", "RUNNING"), \
+                log.read_text()[-3000:] if log.exists() else "no log"
+            time.sleep(0.2)
+        failed.cut()  # the machine dies: no packet leaves it any more, then nothing runs on it
+        failed.kill()
+        t0 = time.time()
+        state = _wait_job(cluster, slurm, job, ("PENDING", "REQUEUED", "FAILED", "COMPLETED", "CANCELLED"), log, 300)
+        requeued_after = time.time() - t0
+        print(f"FIGURE slurm node failure: job {job} left RUNNING for {state} {requeued_after:.1f} s after host 1 died "
+              "(SlurmdTimeout=10)")
+        assert state in ("PENDING", "REQUEUED"), log.read_text()[-3000:]
+        failed.restore()  # the machine is back
+        cluster.start_slurmd(failed)
+        # Slurm holds a requeued job back (its begin time moves); "start it now" as an admin would.
+        _wait_job(cluster, slurm, job, ("PENDING",), log, 120)
+        cluster.hosts[0].run(f"scontrol update JobId={job} StartTime=now", env=slurm)
+        state = _wait_job(cluster, slurm, job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), log, 600)
+    finally:
+        cluster.hosts[0].run(f"scancel {job}", env=slurm)
+        failed.restore()
+    text = log.read_text()
+    assert state == "COMPLETED", text[-3000:]
+    assert "(restart 1)" in text and "DUE TO NODE FAILURE" in text
+    resume = _records(run, "resume")[-1]
+    assert resume["global_step"] >= 10  # from its checkpoint, not from scratch
+    after = [r for r in _records(run, "train") if r["time"] > resume["time"]]
+    assert after[0]["step"] == resume["global_step"] + 1 and after[-1]["step"] == 30
+    before = {r["step"]: r["loss"] for r in _records(run, "train") if r["time"] < resume["time"]}
+    redone = [r for r in after if r["step"] in before]  # steps trained before the failure and again after
+    assert redone and all(r["loss"] == pytest.approx(before[r["step"]], rel=1e-5, abs=1e-6) for r in redone)
+    print(f"FIGURE slurm node failure: requeued run resumed at step {resume['global_step']}, redid steps "
+          f"{redone[0]['step']}-{redone[-1]['step']} with the same losses, finished at step 30")

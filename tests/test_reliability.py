@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 
-from tests.helpers import digits_overrides, free_port
+from tests.helpers import digits_overrides, free_port, merged_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
@@ -25,7 +25,8 @@ TRACER = REPO / "tests" / "trace"  # sitecustomize: records backward passes and 
 
 
 def _overrides(root: Path, run: Path, *extra: str) -> list[str]:
-    return [*digits_overrides(root), f"output.dir={run}", "output.progress=false", "output.log_every=1", *extra]
+    return merged_overrides(*digits_overrides(root), f"output.dir={run}", "output.progress=false", "output.log_every=1",
+                            *extra)
 
 
 def _start(world: int, args_of_rank, tmp: Path) -> list[subprocess.Popen]:

@@ -191,7 +191,7 @@ def test_missing_shards_and_engine_and_batch_split(tmp_path, digits, monkeypatch
     check_setup(cfg, 2)
     with pytest.raises(ConfigError, match="does not split over 3 processes"):
         check_setup(cfg, 3)
-    missing = load_config(DEMO, [*_data_overrides(digits), f"data.train_shards={digits}/digits-train-{{000000..000009}}.tar"])
+    missing = load_config(DEMO, [*_data_overrides(digits)[1:], f"data.train_shards={digits}/digits-train-{{000000..000009}}.tar"])
     with pytest.raises(ConfigError, match="4 shard.s. missing"):
         check_setup(missing, 2)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # Python's own "not installed"
@@ -199,6 +199,14 @@ def test_missing_shards_and_engine_and_batch_split(tmp_path, digits, monkeypatch
                             "train.deepspeed_config=configs/deepspeed/zero0_bf16.json"])
     with pytest.raises(ConfigError, match=r"pip install distnorm\[deepspeed\]"):
         check_setup(ds, 2)
+
+
+def test_a_key_given_twice_is_refused_naming_the_shell_expansion(digits):
+    """What an unquoted brace pattern becomes after a (remote) shell: six arguments for one key.
+    Refused, not "the last one wins" (which trained on one shard out of six)."""
+    expanded = [f"data.train_shards={digits}/digits-train-{i:06d}.tar" for i in range(6)]
+    with pytest.raises(ConfigError, match=r"data.train_shards given 6 times .*a shell expanded it: quote"):
+        load_config(DEMO, [*_data_overrides(digits)[1:], *expanded])
 
 
 def test_launcher_refuses_bad_split_before_starting_workers(tmp_path, digits):

@@ -235,13 +235,26 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.key=value`` strings (values parsed as YAML)."""
+    """Apply ``section.key=value`` strings (values parsed as YAML).
+
+    A key given twice is an error, not "the last one wins": the usual cause is a shell that
+    expanded a value — ``data.train_shards=shard-{000000..000005}.tar`` unquoted becomes six
+    arguments, and training silently on the last shard alone is the worst outcome."""
     data = copy.deepcopy(data)
+    given: dict[str, list[str]] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         dotted, raw = item.split("=", 1)
-        parts = dotted.strip().split(".")
+        given.setdefault(dotted.strip(), []).append(raw)
+    for dotted, values in given.items():
+        if len(values) > 1:
+            raise ConfigError(
+                f"override {dotted} given {len(values)} times ({', '.join(values[:3])}{', ...' if len(values) > 3 else ''}); "
+                "give it once. If you wrote a brace or glob pattern such as {000000..000005}, a shell expanded "
+                "it: quote the argument (remote shells, e.g. the DeepSpeed runner's pdsh, expand it too).")
+    for dotted, (raw,) in given.items():
+        parts = dotted.split(".")
         if len(parts) != 2 or parts[0] not in _SECTIONS:
             raise ConfigError(f"override {dotted!r} must be <section>.<key> with section in {sorted(_SECTIONS)}")
         data.setdefault(parts[0], {})[parts[1]] = yaml.safe_load(raw)
