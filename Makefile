@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster" --doctest-modules --ignore=distnorm/train/__main__.py tests distnorm $(PYTEST_ARGS)
 
 # Multi-host runs on simulated hosts (network namespaces; needs root): every launch path
 # across two hosts, faults across hosts, and what the network costs (tc netem).

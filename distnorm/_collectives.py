@@ -28,12 +28,18 @@ import torch
 import torch.distributed as dist
 
 from distnorm import _debug
-from distnorm.errors import CollectiveFailedError, CollectiveMismatchError, NonFiniteStatisticsError
+from distnorm.errors import (
+    CollectiveFailedError,
+    CollectiveMismatchError,
+    InconsistentStateError,
+    NonFiniteStatisticsError,
+)
 
 __all__ = [
     "Moments",
     "accumulate_dtype",
     "all_agree",
+    "assert_same_across_ranks",
     "all_reduce_sum",
     "broadcast_from_first",
     "constant",
@@ -378,3 +384,47 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: ProcessGroup | None
             staged = t.detach().to(device)
             dist.broadcast(staged, src=src, group=group)
             t.copy_(staged)
+
+
+# ------------------------------------------------------------ agreement of texts
+def assert_same_across_ranks(
+    text: str,
+    what: str,
+    process_group: ProcessGroup | None = None,
+    *,
+    error: type[Exception] = InconsistentStateError,
+) -> None:
+    """Raise ``error`` on every rank unless every rank passes the same ``text``.
+
+    One fixed-size all-reduce of a hash (so differing inputs cannot become differently
+    sized collectives); only on a mismatch are the texts gathered to say who differs.
+    """
+    group = sync_group(process_group)
+    if group is None:
+        return
+    device = group_device(group)
+    value = torch.tensor([stable_hash(text)], dtype=torch.int64, device=device)
+    if bool(all_agree(value, group).all()):
+        return
+    groups: dict[str, list[int]] = {}
+    for rank, t in zip(group_ranks(group), gather_texts(text, group, limit=1 << 20)):
+        groups.setdefault(t, []).append(rank)
+    raise error(f"{what} differs across ranks:\n{_describe_groups(groups)}")
+
+
+def _describe_groups(groups: dict[str, list[int]]) -> str:
+    """Each group of ranks with its text; long texts as the lines that differ from the first
+    group's (a model listing of hundreds of lines that differs in one)."""
+    import difflib
+
+    items = list(groups.items())
+    if all("\n" not in t and len(t) <= 500 for t, _ in items):
+        return "\n".join(f"  ranks {members}: {t}" for t, members in items)
+    (ref, ref_ranks), out = items[0], []
+    out.append(f"  ranks {ref_ranks}: {len(ref.splitlines())} lines")
+    for t, members in items[1:]:
+        diff = [line for line in difflib.unified_diff(ref.splitlines(), t.splitlines(), lineterm="", n=0)
+                if not line.startswith(("---", "+++", "@@"))]
+        shown = "\n".join(f"      {line}" for line in diff[:12]) + (f"\n      ... {len(diff) - 12} more" if len(diff) > 12 else "")
+        out.append(f"  ranks {members}: differs from ranks {ref_ranks} in (- theirs, + these ranks'):\n{shown}")
+    return "\n".join(out)

@@ -55,7 +55,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distnorm import _collectives
-from distnorm._collectives import ProcessGroup, accumulate_dtype, constant
+from distnorm._collectives import ProcessGroup, constant
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
 __all__ = [

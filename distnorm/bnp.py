@@ -50,45 +50,26 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from distnorm import _collectives, _ops
-from distnorm import functional as F
+from distnorm import functional  # not torch.nn.functional: distnorm's own
 from distnorm._collectives import ProcessGroup
 from distnorm._functions import BNPGradientFunction, bnp_q2
 from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm._wrappers import refuse_wrapped
+from distnorm.specs import BNPSpec
 
-__all__ = ["BNPConfig", "BNPHandle", "attach", "SUPPORTED_LAYERS"]
+__all__ = ["BNPHandle", "attach", "SUPPORTED_LAYERS"]
 
 #: Layer types BNP knows how to precondition (subclasses included).
 SUPPORTED_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 BUFFERS = ("bnp_mean", "bnp_var")
-
-
-@dataclass(frozen=True)
-class BNPConfig:
-    """BNP's hyper-parameters (paper 004 defaults)."""
-
-    momentum: float = 0.99
-    eps1: float = 1e-2
-    eps2: float = 1e-4
-    add_bias: bool = True
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.momentum, (int, float)) and 0.0 <= self.momentum < 1.0):
-            raise ValueError(f"bnp: momentum (the running-average weight rho) must be in [0, 1), got {self.momentum!r}")
-        for name in ("eps1", "eps2"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"bnp: {name} must be a finite number >= 0, got {value!r}")
-        if self.eps1 == 0 and self.eps2 == 0:
-            raise ValueError("bnp: eps1 and eps2 cannot both be 0 (var_t could be 0 and divide by zero)")
 
 
 class _Q2:
@@ -107,7 +88,7 @@ class _LayerState:
     """What BNP keeps per preconditioned layer (stored as ``module._distnorm_bnp``)."""
 
     name: str
-    config: BNPConfig
+    config: BNPSpec
     process_group: ProcessGroup | None
     added_bias: bool
     dense: bool
@@ -145,7 +126,7 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
     count, batch_mean, batch_var, _ = moments
     local = h.numel() // h.shape[1] if h.shape[1] else 0
     cfg = state.config
-    weight = 1.0 - cfg.momentum
+    weight = 1.0 - cfg.decay
     batch_mean = batch_mean.to(mean_buf.dtype)
     if local <= 1:
         # A global batch of one value per feature: the variance is measured around the
@@ -186,7 +167,7 @@ def _pre_forward(module: nn.Module, args: tuple) -> None:
             module._buffers[buf] = module._buffers[buf].float()
     x = args[0]
     h = x.reshape(-1, x.shape[-1]) if state.dense else x
-    mean, var_t, count = _ops.bnp_statistics(F.no_grad_input(h),
+    mean, var_t, count = _ops.bnp_statistics(functional.no_grad_input(h),
                                              module.bnp_mean, module.bnp_var, state)
     state.count, state.in_spatial = count, tuple(x.shape[2:])
     if torch.compiler.is_compiling():
@@ -282,7 +263,7 @@ class BNPHandle:
         layers: qualified name → preconditioned module.
     """
 
-    def __init__(self, model: nn.Module, config: BNPConfig, layers: dict[str, nn.Module], root_hook: Any):
+    def __init__(self, model: nn.Module, config: BNPSpec, layers: dict[str, nn.Module], root_hook: Any):
         self._model = model
         self.config = config
         self.layers = layers
@@ -327,7 +308,7 @@ class BNPHandle:
     def state_dict(self) -> dict[str, Any]:
         """The configuration and every layer's moments (also in ``model.state_dict()``)."""
         return {
-            "config": asdict(self.config),
+            "config": _saved_config(self.config),
             "layers": {name: {buf: getattr(m, buf).detach().clone() for buf in BUFFERS} for name, m in self.layers.items()},
         }
 
@@ -335,7 +316,10 @@ class BNPHandle:
         """Restore moments saved by :meth:`state_dict` into the attached layers."""
         if not self._attached:
             raise RuntimeError("bnp: this handle was detached; attach again before loading state")
-        saved = BNPConfig(**state["config"])
+        values = dict(state["config"])
+        if "momentum" in values:  # saved before the spec named it by its direction
+            values["decay"] = values.pop("momentum")
+        saved = BNPSpec(**values)
         if saved != self.config:
             raise ValueError(f"bnp: saved configuration {saved} differs from the attached {self.config}")
         missing = set(self.layers) ^ set(state["layers"])
@@ -358,13 +342,19 @@ def _excluded(name: str, module: nn.Module, exclude: Iterable[Any]) -> bool:
     return False
 
 
+def _saved_config(spec: BNPSpec) -> dict[str, Any]:
+    """What a handle's state records of its configuration (the hyper-parameters that shape the
+    moments; which layers were chosen is recorded by the layer names)."""
+    return {"decay": spec.decay, "eps1": spec.eps1, "eps2": spec.eps2, "add_bias": spec.add_bias}
+
+
 def attach(
     model: nn.Module,
     *,
-    momentum: float = 0.99,
-    eps1: float = 1e-2,
-    eps2: float = 1e-4,
-    add_bias: bool = True,
+    momentum: float = BNPSpec.decay,
+    eps1: float = BNPSpec.eps1,
+    eps2: float = BNPSpec.eps2,
+    add_bias: bool = BNPSpec.add_bias,
     layers: tuple[type[nn.Module], ...] = SUPPORTED_LAYERS,
     exclude: Iterable[Any] = (),
     process_group: ProcessGroup | None = None,
@@ -377,7 +367,8 @@ def attach(
 
     Args:
         model: the model to precondition.
-        momentum: running-average weight ``rho`` of the moments.
+        momentum: weight of the history in the running moments (the paper's ``rho``;
+            :class:`distnorm.specs.BNPSpec` calls it ``decay``).
         eps1, eps2: ``var_t = var + eps1 * max(var) + eps2``.
         add_bias: give bias-free layers a zero-initialised bias, so that the centring part
             of the preconditioner applies; with ``False`` they only get the scaling part.
@@ -404,7 +395,10 @@ def attach(
         >>> handle.detach()
     """
     refuse_wrapped(model, "distnorm.bnp.attach()")
-    config = BNPConfig(momentum=momentum, eps1=eps1, eps2=eps2, add_bias=add_bias)
+    try:
+        config = BNPSpec(decay=momentum, eps1=eps1, eps2=eps2, add_bias=add_bias)  # validates
+    except ValueError as err:  # name the keyword the caller used
+        raise ValueError(str(err).replace("BNP: decay", "bnp: momentum (the history weight, BNPSpec.decay)")) from None
     layers = tuple(layers)
     for kind in layers:
         if not (isinstance(kind, type) and issubclass(kind, SUPPORTED_LAYERS)):

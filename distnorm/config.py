@@ -1,24 +1,37 @@
 """One configuration object for the plugin, from the command line, the environment or YAML.
 
-    cfg = DistNormConfig(norm="cbn", rho=2.0, bnp=True)
+    cfg = DistNormConfig(norm="cbn", cbn=CBNSpec(rho=2.0), bnp=BNPSpec())
     cfg = DistNormConfig.from_args(args)          # after distnorm.add_arguments(parser)
-    cfg = DistNormConfig.from_env()               # DISTNORM_NORM=cbn DISTNORM_RHO=2 DISTNORM_BNP=1
+    cfg = DistNormConfig.from_env()               # DISTNORM_NORM=cbn DISTNORM_CBN_RHO=2 DISTNORM_BNP=1
     cfg = DistNormConfig.from_yaml("run.yaml")    # the `distnorm:` section
 
+The hyper-parameters of each normalization and of BNP live in their spec
+(:mod:`distnorm.specs`), nested here as ``cbn``, ``popnorm``, ``bn``, ``gn`` and ``bnp``; the
+command-line flags (``--distnorm-<section>-<field>``), the ``DISTNORM_<SECTION>_<FIELD>``
+variables and the YAML keys (``distnorm: {cbn: {rho: 2.0}}``) are generated from the specs'
+fields, so every layer parameter is reachable from every front end. ``bnp`` is ``None`` (off)
+or a :class:`~distnorm.specs.BNPSpec`; ``bnp: true`` / ``--distnorm-bnp`` / ``DISTNORM_BNP=1``
+switch it on with its defaults.
+
 Unknown keys (YAML), unknown ``DISTNORM_*`` variables and invalid values are errors that
-name the key and the accepted values: a typo must not silently train the wrong model.
+name the key and the accepted values: a typo must not silently train the wrong model. The
+flat keys of distnorm 0.1 (``rho``, ``kappa``, ``omega``, ``eps``, ``bnp_momentum``, ...) are
+still read, with a ``FutureWarning`` naming the new key; checkpoints written by 0.1 load.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
-from dataclasses import MISSING, asdict, dataclass, field, fields
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
 from distnorm.convert import ACTIVATIONS, NORMS
+from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __all__ = ["DistNormConfig", "add_arguments", "ENV_PREFIX"]
 
@@ -26,9 +39,17 @@ ENV_PREFIX = "DISTNORM_"
 _ENV_RESERVED = {"DISTNORM_DEBUG"}  # not configuration: read by distnorm._debug
 OFF = "off"
 
+#: The nested spec sections: name -> spec class (``bnp`` may also be ``None``: off).
+SECTIONS: dict[str, type] = {"cbn": CBNSpec, "popnorm": POPNormSpec, "bn": SyncBNSpec, "gn": GNSpec, "bnp": BNPSpec}
 
-def _help(text: str, **extra: Any) -> Any:
-    return field(metadata={"help": text, **extra})
+#: distnorm 0.1's flat keys -> where they live now (read with a FutureWarning).
+LEGACY_KEYS: dict[str, tuple[str, ...]] = {
+    "rho": ("cbn.rho",), "amat": ("cbn.amat",), "omega": ("cbn.omega",), "kappa": ("popnorm.kappa",),
+    "eps": ("cbn.eps", "popnorm.eps", "bn.eps", "gn.eps"),
+    "momentum": ("cbn.momentum", "popnorm.momentum", "bn.momentum"),
+    "gn_groups": ("gn.num_groups",), "bnp_momentum": ("bnp.decay",), "bnp_eps1": ("bnp.eps1",),
+    "bnp_eps2": ("bnp.eps2",), "bnp_add_bias": ("bnp.add_bias",), "bnp_exclude": ("bnp.exclude",),
+}
 
 
 @dataclass
@@ -37,73 +58,60 @@ class DistNormConfig:
 
     norm: str = field(default=OFF, metadata={"help": f"normalization: {', '.join(NORMS)}, or {OFF} to leave it alone", "choices": (*NORMS, OFF)})
     activation: str | None = field(default=None, metadata={"help": "replace activations: " + ", ".join(ACTIVATIONS), "choices": tuple(ACTIVATIONS)})
-    rho: float = field(default=1.0, metadata={"help": "CBN normalization magnitude rho"})
-    kappa: float = field(default=4.0, metadata={"help": "POP-Norm magnitude kappa"})
-    amat: bool = field(default=True, metadata={"help": "CBN: adaptive moving averages (AMAT)"})
-    omega: float = field(default=10.0, metadata={"help": "AMAT: eta = clip(1 - omega * lr, 0, 1)"})
-    eps: float | None = field(default=None, metadata={"help": "normalization eps (default: the layer's)"})
-    momentum: float | None = field(default=None, metadata={"help": "running-statistics momentum (default: the layer's)"})
-    gn_groups: int = field(default=32, metadata={"help": "GroupNorm groups for norm=gn"})
-    bnp: bool = field(default=False, metadata={"help": "attach BNP gradient preconditioning"})
-    bnp_momentum: float = field(default=0.99, metadata={"help": "BNP running-moment weight rho"})
-    bnp_eps1: float = field(default=1e-2, metadata={"help": "BNP eps1 (relative variance floor)"})
-    bnp_eps2: float = field(default=1e-4, metadata={"help": "BNP eps2 (absolute variance floor)"})
-    bnp_add_bias: bool = field(default=True, metadata={"help": "BNP: give bias-free layers a bias"})
-    bnp_exclude: tuple[str, ...] = field(default=(), metadata={"help": "BNP: module name patterns to skip (comma separated)"})
+    cbn: CBNSpec = field(default_factory=CBNSpec, metadata={"help": "CBN hyper-parameters (norm=cbn)"})
+    popnorm: POPNormSpec = field(default_factory=POPNormSpec, metadata={"help": "POP-Norm hyper-parameters (norm=popnorm)"})
+    bn: SyncBNSpec = field(default_factory=SyncBNSpec, metadata={"help": "synchronized BatchNorm hyper-parameters (norm=bn)"})
+    gn: GNSpec = field(default_factory=GNSpec, metadata={"help": "GroupNorm hyper-parameters (norm=gn)"})
+    bnp: BNPSpec | None = field(default=None, metadata={"help": "attach BNP gradient preconditioning (None: off)"})
     group_size: int | None = field(default=None, metadata={"help": "synchronize within groups of this many consecutive ranks (default: all ranks)"})
     own_communicator: bool = field(default=False, metadata={"help": "run the layers' all-reduces on a communicator of their own, so on NCCL they do not queue behind DDP's / ZeRO's gradient buckets (one more communicator)"})
     check_every: int = field(default=200, metadata={"help": "verify buffers are identical across ranks every N training forwards (0: never)"})
     collective_timeout_s: float | None = field(default=None, metadata={"help": "timeout of the sub-groups distnorm creates (default: the default group's)"})
 
     def __post_init__(self) -> None:
-        if isinstance(self.bnp_exclude, str):
-            self.bnp_exclude = tuple(p.strip() for p in self.bnp_exclude.split(",") if p.strip())
-        else:
-            self.bnp_exclude = tuple(self.bnp_exclude)
         if self.norm not in (*NORMS, OFF):
             raise ValueError(f"distnorm config: norm must be one of {(*NORMS, OFF)}, got {self.norm!r}")
         if self.activation is not None and self.activation not in ACTIVATIONS:
             raise ValueError(f"distnorm config: activation must be one of {tuple(ACTIVATIONS)} or None, got {self.activation!r}")
-        for name in ("rho", "kappa", "bnp_eps1", "bnp_eps2", "omega") + (("eps",) if self.eps is not None else ()):
+        if self.bnp is True:
+            self.bnp = BNPSpec()
+        elif self.bnp is False:
+            self.bnp = None
+        for name, cls in SECTIONS.items():
             value = getattr(self, name)
-            allow_zero = name in ("omega", "bnp_eps1", "bnp_eps2")
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
-                raise ValueError(f"distnorm config: {name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}")
-        if self.momentum is not None and not 0 <= self.momentum <= 1:
-            raise ValueError(f"distnorm config: momentum must be in [0, 1], got {self.momentum!r}")
-        if not 0 <= self.bnp_momentum < 1:
-            raise ValueError(f"distnorm config: bnp_momentum must be in [0, 1), got {self.bnp_momentum!r}")
-        if self.group_size is not None and self.group_size < 1:
+            if isinstance(value, Mapping):
+                setattr(self, name, cls.from_kwargs(f"distnorm config section {name!r}", **value))
+            elif not (isinstance(value, cls) or (name == "bnp" and value is None)):
+                raise ValueError(f"distnorm config: {name} must be a {cls.__name__}"
+                                 f"{' or None' if name == 'bnp' else ''}, got {value!r}")
+        if self.group_size is not None and not (isinstance(self.group_size, int) and self.group_size >= 1):
             raise ValueError(f"distnorm config: group_size must be >= 1 or None, got {self.group_size!r}")
-        if self.collective_timeout_s is not None and not self.collective_timeout_s > 0:
+        if self.collective_timeout_s is not None and not (isinstance(self.collective_timeout_s, (int, float))
+                                                          and math.isfinite(self.collective_timeout_s)
+                                                          and self.collective_timeout_s > 0):
             raise ValueError(f"distnorm config: collective_timeout_s must be > 0 or None, got {self.collective_timeout_s!r}")
-        if self.check_every < 0:
+        if not (isinstance(self.check_every, int) and self.check_every >= 0):
             raise ValueError(f"distnorm config: check_every must be >= 0, got {self.check_every!r}")
-        if self.gn_groups < 1:
-            raise ValueError(f"distnorm config: gn_groups must be >= 1, got {self.gn_groups!r}")
 
     @property
     def active(self) -> bool:
         """Whether this configuration changes the model at all (a norm other than ``off``, or BNP)."""
-        return self.norm != OFF or self.bnp
+        return self.norm != OFF or self.bnp is not None
+
+    @property
+    def norm_spec(self) -> Any:
+        """The spec of the selected normalization (``None`` for ``off`` / ``none``)."""
+        return getattr(self, self.norm) if self.norm in SECTIONS else None
 
     # ----------------------------------------------------------------- conversions
-    def layer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the new normalization layers for ``self.norm``."""
-        common = {k: v for k, v in (("eps", self.eps), ("momentum", self.momentum)) if v is not None}
-        if self.norm == "cbn":
-            return {"rho": self.rho, "amat": self.amat, "omega": self.omega, **common}
-        if self.norm == "popnorm":
-            return {"kappa": self.kappa, **common}
-        if self.norm == "bn":
-            return common
-        if self.norm == "gn":
-            return {"num_groups": self.gn_groups, **({"eps": self.eps} if self.eps is not None else {})}
-        return {}
-
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["bnp_exclude"] = list(self.bnp_exclude)
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in SECTIONS:
+                value = None if value is None else {k: list(v) if isinstance(v, tuple) else v
+                                                    for k, v in value.kwargs().items()}
+            out[f.name] = value
         return out
 
     def fingerprint(self) -> str:
@@ -112,11 +120,13 @@ class DistNormConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, where: str = "config") -> "DistNormConfig":
+        values = _nest_legacy(dict(values), where, warn=where != "checkpoint")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"distnorm {where}: unknown key(s) {unknown}; known keys: {sorted(known)}")
-        return cls(**dict(values))
+            raise ValueError(f"distnorm {where}: unknown key(s) {unknown}; known keys: {sorted(known)} "
+                             f"(hyper-parameters go in their section, e.g. cbn: {{rho: 2.0}})")
+        return cls(**values)
 
     @classmethod
     def from_yaml(cls, source: str | os.PathLike | Mapping[str, Any], section: str | None = "distnorm") -> "DistNormConfig":
@@ -134,24 +144,105 @@ class DistNormConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, prefix: str = ENV_PREFIX) -> "DistNormConfig":
-        """From ``DISTNORM_<FIELD>`` variables (``DISTNORM_BNP_EXCLUDE=fc,head``)."""
+        """From ``DISTNORM_<FIELD>`` and ``DISTNORM_<SECTION>_<FIELD>`` variables
+        (``DISTNORM_NORM=cbn DISTNORM_CBN_RHO=2 DISTNORM_BNP=1 DISTNORM_BNP_EXCLUDE=fc,head``)."""
         environ = os.environ if environ is None else environ
-        by_name = {f.name: f for f in fields(cls)}
+        options = _options()
         values: dict[str, Any] = {}
         for key, raw in environ.items():
             if not key.startswith(prefix) or key in _ENV_RESERVED:
                 continue
             name = key[len(prefix):].lower()
-            if name not in by_name:
-                raise ValueError(f"unknown environment variable {key}; known: {sorted(prefix + n.upper() for n in by_name)}")
-            values[name] = _parse(by_name[name], raw, key)
-        return cls(**values)
+            if name in LEGACY_KEYS and name not in options:
+                values[name] = raw  # typed by _nest_legacy
+                continue
+            if name not in options:
+                raise ValueError(f"unknown environment variable {key}; known: {sorted(prefix + n.upper() for n in options)}")
+            values[name] = _parse(options[name], raw, key)
+        return cls._from_options(values, where="environment")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DistNormConfig":
-        """From a namespace parsed with a parser prepared by :func:`add_arguments`."""
-        values = {f.name: getattr(args, _dest(f.name)) for f in fields(cls) if hasattr(args, _dest(f.name))}
-        return cls(**values)
+        """From a namespace parsed with a parser prepared by :func:`add_arguments` (only the
+        flags given on the command line; the rest keep their defaults)."""
+        values = {name: getattr(args, _dest(name)) for name in _options()
+                  if getattr(args, _dest(name), None) is not None}
+        return cls._from_options(values, where="command line")
+
+    @classmethod
+    def _from_options(cls, values: dict[str, Any], where: str) -> "DistNormConfig":
+        """From flat option names (``norm``, ``cbn_rho``, ``bnp``, ``bnp_decay``, ...)."""
+        nested: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {}
+        for name, value in values.items():
+            section = next((s for s in SECTIONS if name.startswith(s + "_")
+                            and name[len(s) + 1:] in {f.name for f in fields(SECTIONS[s])}), None)
+            if section is not None:
+                sections.setdefault(section, {})[name[len(section) + 1:]] = value
+            else:
+                nested[name] = value
+        bnp_on = nested.pop("bnp", None)
+        if "bnp" in sections and bnp_on is False:
+            raise ValueError(f"distnorm {where}: BNP options {sorted(sections['bnp'])} given while BNP is off")
+        if bnp_on and "bnp" not in sections:
+            sections["bnp"] = {}
+        for section, given in sections.items():
+            if section == "bnp" and not bnp_on and given:
+                raise ValueError(f"distnorm {where}: BNP options {sorted(given)} given without switching BNP on "
+                                 f"({'--distnorm-bnp' if where == 'command line' else ENV_PREFIX + 'BNP=1'})")
+            nested[section] = given
+        return cls.from_dict(nested, where=where)
+
+
+def _nest_legacy(values: dict[str, Any], where: str, *, warn: bool) -> dict[str, Any]:
+    """Move distnorm 0.1's flat keys into their sections (``rho`` -> ``cbn.rho``)."""
+    old = [k for k in values if k in LEGACY_KEYS]
+    if not old:
+        return values
+    if warn:
+        warnings.warn(f"distnorm {where}: flat key(s) {old} are deprecated; use "
+                      + ", ".join(f"{k} -> {' / '.join(LEGACY_KEYS[k])}" for k in old), FutureWarning, stacklevel=4)
+    bnp = values.get("bnp")
+    bnp_on = bnp is not None and bnp is not False
+    for key in old:
+        value = values.pop(key)
+        for target in LEGACY_KEYS[key]:
+            section, name = target.split(".")
+            if section == "bnp" and not bnp_on:
+                continue  # 0.1 accepted BNP options with BNP off (they had defaults either way)
+            current = values.get(section)
+            if isinstance(current, BNPSpec) or current is True:
+                current = {} if current is True else current.kwargs()
+            if value is None and name in ("eps", "momentum") and section in ("cbn", "popnorm"):
+                continue  # 0.1's None meant "the layer's default"
+            if name == "exclude" and isinstance(value, str):
+                value = tuple(p.strip() for p in value.split(",") if p.strip())
+            values[section] = {**(current or {}), name: _coerce(section, name, value)}
+    return values
+
+
+def _coerce(section: str, name: str, value: Any) -> Any:
+    """A value read as text (environment) in the type of its spec field."""
+    if not isinstance(value, str) or name == "exclude" or name == "eval_stats":
+        return value
+    f = next(f for f in fields(SECTIONS[section]) if f.name == name)
+    return _parse(f, value, f"{section}.{name}")
+
+
+def _options() -> dict[str, dataclasses.Field]:
+    """Every front-end option: the top-level fields (but the sections) and
+    ``<section>_<field>`` for every spec field; ``bnp`` is the on switch."""
+    out: dict[str, dataclasses.Field] = {}
+    for f in fields(DistNormConfig):
+        if f.name in SECTIONS:
+            if f.name == "bnp":
+                out["bnp"] = dataclasses.field(default=False, metadata=f.metadata)
+                out["bnp"].name, out["bnp"].type = "bnp", "bool"
+            for sf in fields(SECTIONS[f.name]):
+                out[f"{f.name}_{sf.name}"] = sf
+        else:
+            out[f.name] = f
+    return out
 
 
 def _dest(name: str) -> str:
@@ -180,27 +271,31 @@ def _parse(f: Any, raw: str, where: str) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--distnorm NORM`` and ``--distnorm-<option>`` flags to ``parser``.
+    """Add ``--distnorm NORM`` and ``--distnorm-<option>`` flags to ``parser`` (one per
+    top-level option and per spec field: ``--distnorm-cbn-rho``, ``--distnorm-bnp-decay``).
 
     Example:
         >>> import argparse, distnorm
         >>> parser = distnorm.add_arguments(argparse.ArgumentParser())
-        >>> cfg = distnorm.DistNormConfig.from_args(parser.parse_args(["--distnorm", "cbn", "--distnorm-rho", "2"]))
-        >>> cfg.norm, cfg.rho
+        >>> cfg = distnorm.DistNormConfig.from_args(parser.parse_args(["--distnorm", "cbn", "--distnorm-cbn-rho", "2"]))
+        >>> cfg.norm, cfg.cbn.rho
         ('cbn', 2.0)
     """
-    group = parser.add_argument_group("distnorm", "normalization plugin (see distnorm.DistNormConfig)")
-    for f in fields(DistNormConfig):
-        flag = "--distnorm" if f.name == "norm" else "--distnorm-" + f.name.replace("_", "-")
+    group = parser.add_argument_group("distnorm", "normalization plugin (see distnorm.DistNormConfig, distnorm.specs)")
+    for name, f in _options().items():
+        flag = "--distnorm" if name == "norm" else "--distnorm-" + name.replace("_", "-")
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-        kwargs: dict[str, Any] = {"dest": _dest(f.name), "default": default, "help": f.metadata.get("help")}
+        text = f.metadata.get("help") or ""
+        # Flags default to None ("not given"): the spec, not argparse, owns the defaults.
+        kwargs: dict[str, Any] = {"dest": _dest(name), "default": None,
+                                  "help": f"{text} (default: {default})" if name != "bnp" else "attach BNP gradient preconditioning"}
         kind = str(f.type)
         if kind.startswith("bool"):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif f.name == "bnp_exclude":
-            kwargs["type"] = str
         elif "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
+        elif name == "bnp_exclude" or kind.startswith("str") or kind.startswith("tuple"):
+            kwargs["type"] = str
         elif kind.startswith("int"):
             kwargs["type"] = int
         elif kind.startswith("float"):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from distnorm import _collectives
-from distnorm._collectives import ProcessGroup
+from distnorm._collectives import ProcessGroup, assert_same_across_ranks
 from distnorm.errors import InconsistentStateError
 
 __all__ = ["check_consistency", "consistent_tensors", "assert_same_across_ranks", "InconsistentStateError"]
@@ -73,49 +73,6 @@ def _rank_groups(values: list[torch.Tensor], ranks: list[int]) -> list[list[int]
         else:
             groups.append((value, [rank]))
     return [members for _, members in groups]
-
-
-def assert_same_across_ranks(
-    text: str,
-    what: str,
-    process_group: ProcessGroup | None = None,
-    *,
-    error: type[Exception] = InconsistentStateError,
-) -> None:
-    """Raise ``error`` on every rank unless every rank passes the same ``text``.
-
-    One fixed-size all-reduce of a hash (so differing inputs cannot become differently
-    sized collectives); only on a mismatch are the texts gathered to say who differs.
-    """
-    group = _collectives.sync_group(process_group)
-    if group is None:
-        return
-    device = _collectives.group_device(group)
-    value = torch.tensor([_collectives.stable_hash(text)], dtype=torch.int64, device=device)
-    if bool(_collectives.all_agree(value, group).all()):
-        return
-    groups: dict[str, list[int]] = {}
-    for rank, t in zip(_collectives.group_ranks(group), _collectives.gather_texts(text, group, limit=1 << 20)):
-        groups.setdefault(t, []).append(rank)
-    raise error(f"{what} differs across ranks:\n{_describe_groups(groups)}")
-
-
-def _describe_groups(groups: dict[str, list[int]]) -> str:
-    """Each group of ranks with its text; long texts as the lines that differ from the first
-    group's (a model listing of hundreds of lines that differs in one)."""
-    import difflib
-
-    items = list(groups.items())
-    if all("\n" not in t and len(t) <= 500 for t, _ in items):
-        return "\n".join(f"  ranks {members}: {t}" for t, members in items)
-    (ref, ref_ranks), out = items[0], []
-    out.append(f"  ranks {ref_ranks}: {len(ref.splitlines())} lines")
-    for t, members in items[1:]:
-        diff = [line for line in difflib.unified_diff(ref.splitlines(), t.splitlines(), lineterm="", n=0)
-                if not line.startswith(("---", "+++", "@@"))]
-        shown = "\n".join(f"      {line}" for line in diff[:12]) + (f"\n      ... {len(diff) - 12} more" if len(diff) > 12 else "")
-        out.append(f"  ranks {members}: differs from ranks {ref_ranks} in (- theirs, + these ranks'):\n{shown}")
-    return "\n".join(out)
 
 
 def check_consistency(

@@ -41,7 +41,11 @@ from torch import fx, nn
 
 from distnorm._collectives import ProcessGroup
 from distnorm._wrappers import refuse_wrapped
-from distnorm.layers import CBN, POPNorm, SyncBatchNorm, _DistNormLayer, name_layers
+from distnorm.layers import SyncBatchNorm, _DistNormLayer, name_layers
+from distnorm.specs import NORM_SPECS, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+
+#: What ``convert(norm=...)`` accepts besides a name.
+NormSpec = CBNSpec | POPNormSpec | SyncBNSpec | GNSpec
 
 __all__ = ["NORMS", "ACTIVATIONS", "PreNorm", "convert", "revert", "conversion_summary"]
 
@@ -209,6 +213,16 @@ def _trace(model: nn.Module) -> fx.GraphModule | None:
         return None
 
 
+def linear_batchnorm_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """``(op, batchnorm)`` names of the conv / linear layers whose output goes straight into a
+    BatchNorm, from the model's dataflow (``torch.fx``); empty if it cannot be traced. The
+    pairs the pre-operation modes of :func:`convert` move normalization across."""
+    graph = _trace(model)
+    if graph is None:
+        return []
+    return _pairs_from_graph(graph, dict(model.named_modules()))[0]
+
+
 def _pairs_from_graph(graph_module: fx.GraphModule, modules: dict[str, nn.Module]):
     """``(pairs, unpaired)``: BN paths whose input comes straight from a conv / linear."""
     pairs: list[tuple[str, str]] = []
@@ -278,11 +292,12 @@ def _gates(graph_module: fx.GraphModule | None, modules: dict[str, nn.Module]) -
     return gates
 
 
-def _new_norm(norm: str, bn: nn.Module, process_group: ProcessGroup | None, layer_kwargs: dict) -> nn.Module:
+def _new_norm(norm: str, bn: nn.Module, process_group: ProcessGroup | None, spec: Any) -> nn.Module:
     channels = bn.num_features
     if norm == "bn":
         new = SyncBatchNorm(
-            channels, eps=layer_kwargs.get("eps", bn.eps), momentum=layer_kwargs.get("momentum", bn.momentum),
+            channels, eps=bn.eps if spec.eps is None else spec.eps,
+            momentum=bn.momentum if spec.momentum is None else spec.momentum,
             affine=bn.affine, track_running_stats=bn.track_running_stats, process_group=process_group,
         )
         # Share the very same Parameter / buffer objects: state_dict keys and values, and the
@@ -293,8 +308,8 @@ def _new_norm(norm: str, bn: nn.Module, process_group: ProcessGroup | None, laye
             new._buffers[key] = bn._buffers.get(key)
         return new.train(bn.training)
     if norm == "gn":
-        groups = _group_count(channels, layer_kwargs)
-        new = nn.GroupNorm(groups, channels, eps=layer_kwargs.get("eps", bn.eps), affine=bn.affine)
+        new = nn.GroupNorm(spec.groups_for(channels), channels, eps=bn.eps if spec.eps is None else spec.eps,
+                           affine=bn.affine)
         if bn.affine:
             with torch.no_grad():
                 new.weight.copy_(bn.weight)
@@ -303,38 +318,31 @@ def _new_norm(norm: str, bn: nn.Module, process_group: ProcessGroup | None, laye
     return _like(nn.Identity(), bn)  # "none" and the removed BN of the pre-op modes
 
 
-def _group_count(channels: int, layer_kwargs: dict) -> int:
-    """GroupNorm groups: ``num_groups`` (default 32) or ``group_size`` channels per group,
-    reduced to the largest divisor of ``channels`` not above it."""
-    if "num_groups" in layer_kwargs and "group_size" in layer_kwargs:
-        raise ValueError("convert(norm='gn'): give num_groups or group_size, not both")
-    if "group_size" in layer_kwargs:
-        wanted = max(channels // int(layer_kwargs["group_size"]), 1)
-    else:
-        wanted = int(layer_kwargs.get("num_groups", 32))
-    if wanted < 1:
-        raise ValueError(f"convert(norm='gn'): num_groups must be >= 1, got {wanted}")
-    return max(d for d in range(1, min(wanted, channels) + 1) if channels % d == 0)
+def _pre_norm(spec: Any, op: nn.Module, process_group: ProcessGroup | None) -> nn.Module:
+    return _like(spec.build(_channels_in(op), process_group=process_group), op)
 
 
-def _pre_norm(norm: str, op: nn.Module, process_group: ProcessGroup | None, layer_kwargs: dict) -> nn.Module:
-    cls = CBN if norm == "cbn" else POPNorm
-    return _like(cls(_channels_in(op), process_group=process_group, **layer_kwargs), op)
-
-
-_KWARGS = {
-    "cbn": {"rho", "amat", "omega", "eps", "momentum", "r_max", "eval_stats", "sync"},
-    "popnorm": {"kappa", "eps", "momentum", "sync"},
-    "bn": {"eps", "momentum"},
-    "gn": {"num_groups", "group_size", "eps"},
-    "none": set(),
-    None: set(),
-}
+def _norm_spec(norm: Any, layer_kwargs: dict[str, Any]) -> tuple[str | None, Any]:
+    """``(name, spec)`` from ``convert``'s ``norm`` (a name or a spec) and keywords; the
+    spec validates the hyper-parameters (``distnorm.specs``, their one owner)."""
+    if isinstance(norm, tuple(NORM_SPECS.values())):
+        if layer_kwargs:
+            raise ValueError(f"convert: give the hyper-parameters in the spec or as keywords, not both "
+                             f"(got {type(norm).__name__} and {sorted(layer_kwargs)})")
+        return next(name for name, cls in NORM_SPECS.items() if isinstance(norm, cls)), norm
+    if norm is not None and norm not in NORMS:
+        raise ValueError(f"convert: unknown norm {norm!r}; choose one of {NORMS}, a spec from distnorm.specs "
+                         "(or None to keep BatchNorm)")
+    if norm in NORM_SPECS:
+        return norm, NORM_SPECS[norm].from_kwargs(f"convert(norm={norm!r})", **layer_kwargs)
+    if layer_kwargs:
+        raise ValueError(f"convert(norm={norm!r}): unknown keyword(s) {sorted(layer_kwargs)}; accepted: []")
+    return norm, None
 
 
 def convert(
     model: nn.Module,
-    norm: str | None = "cbn",
+    norm: str | NormSpec | None = "cbn",
     activation: str | None = None,
     process_group: ProcessGroup | None = None,
     *,
@@ -347,15 +355,17 @@ def convert(
         model: the bare model (not yet wrapped by DDP / DeepSpeed / FSDP).
         norm: ``"cbn"``, ``"popnorm"`` (pre-operation), ``"bn"`` (synchronized BatchNorm),
             ``"gn"`` (GroupNorm), ``"none"`` (remove), or ``None`` to leave the
-            normalization alone (e.g. to change only the activation).
+            normalization alone (e.g. to change only the activation); or a spec from
+            :mod:`distnorm.specs` (``CBNSpec(rho=2.0)``), which carries the hyper-parameters.
         activation: ``"relu"``, ``"sigmoid"``, ``"tanh"``, ``"selu"``, ``"swish"``, or
             ``None`` to keep the model's activations.
         process_group: group the new synchronized layers reduce over.
         unpaired: pre-op modes only — what to do with a BatchNorm whose input does not come
             straight from a conv / linear: ``"error"`` (default) or ``"sync"`` (make it a
             synchronized BatchNorm in place, with a warning naming it).
-        **layer_kwargs: passed to the new layers (``rho``, ``omega``, ``kappa``, ``eps``,
-            ``momentum``, ...; ``num_groups`` or ``group_size`` for ``"gn"``).
+        **layer_kwargs: the fields of the norm's spec (``rho``, ``omega``, ``kappa``, ``eps``,
+            ``momentum``, ...; ``num_groups`` or ``group_size`` for ``"gn"``), when ``norm``
+            is a name.
 
     Returns:
         ``model`` itself, converted; :func:`conversion_summary` tells what was replaced.
@@ -374,19 +384,13 @@ def convert(
         {'BatchNorm2d -> removed (pre-op CBN)': 2, 'Conv2d -> CBN + Conv2d': 2, 'ReLU -> Tanh': 2}
     """
     refuse_wrapped(model, "distnorm.convert()")
-    if norm is not None and norm not in NORMS:
-        raise ValueError(f"convert: unknown norm {norm!r}; choose one of {NORMS} (or None to keep BatchNorm)")
+    norm, spec = _norm_spec(norm, layer_kwargs)
     if activation is not None:
         activation = _ACTIVATION_ALIASES.get(activation, activation)
         if activation not in ACTIVATIONS:
             raise ValueError(f"convert: unknown activation {activation!r}; choose one of {tuple(ACTIVATIONS)} or None")
     if unpaired not in ("error", "sync"):
         raise ValueError(f"convert: unpaired must be 'error' or 'sync', got {unpaired!r}")
-    unknown = set(layer_kwargs) - _KWARGS[norm]
-    if unknown:
-        raise ValueError(
-            f"convert(norm={norm!r}): unknown keyword(s) {sorted(unknown)}; accepted: {sorted(_KWARGS[norm])}"
-        )
 
     record: _Record | None = getattr(model, "_distnorm_conversion", None)
     if record is not None:
@@ -405,7 +409,7 @@ def convert(
     modules = dict(model.named_modules())
     graph_module = _trace(model)
     if norm is not None and record.norm is None:
-        _convert_norms(model, modules, graph_module, norm, process_group, unpaired, layer_kwargs, record)
+        _convert_norms(model, modules, graph_module, norm, spec, process_group, unpaired, record)
         record.norm = norm
     if activation is not None and activation != record.activation:
         _swap_activations(model, dict(model.named_modules()), modules, graph_module, activation, record)
@@ -416,12 +420,12 @@ def convert(
     return model
 
 
-def _convert_norms(model, modules, graph_module, norm, process_group, unpaired, layer_kwargs, record) -> None:
+def _convert_norms(model, modules, graph_module, norm, spec, process_group, unpaired, record) -> None:
     bns = [name for name, m in modules.items() if isinstance(m, BATCH_NORMS)]
     if norm in ("bn", "gn", "none"):
         for name in bns:
             bn = modules[name]
-            new = _new_norm(norm, bn, process_group, layer_kwargs)
+            new = _new_norm(norm, bn, process_group, spec)
             fused = _fused_activation(bn)
             if fused is not None:
                 new = _with_activation(new, *fused) if norm != "none" else _activation_only(*fused)
@@ -455,7 +459,7 @@ def _convert_norms(model, modules, graph_module, norm, process_group, unpaired, 
         )
         for name in lonely:
             bn = modules[name]
-            new = _new_norm("bn", bn, process_group, {})
+            new = _new_norm("bn", bn, process_group, SyncBNSpec())
             fused = _fused_activation(bn)
             _set(model, name, _with_activation(new, *fused) if fused is not None else new)
             record.changes.append(_Change(name, bn, f"{type(bn).__name__} -> SyncBatchNorm (unpaired)"))
@@ -463,9 +467,9 @@ def _convert_norms(model, modules, graph_module, norm, process_group, unpaired, 
     for op_name, bn_name in pairs:
         bn, op = modules[bn_name], modules[op_name]
         fused = _fused_activation(bn)
-        _set(model, bn_name, _activation_only(*fused) if fused is not None else _new_norm("none", bn, process_group, {}))
+        _set(model, bn_name, _activation_only(*fused) if fused is not None else _new_norm("none", bn, process_group, None))
         record.changes.append(_Change(bn_name, bn, f"{type(bn).__name__} -> removed (pre-op {label})"))
-        _set(model, op_name, PreNorm(_pre_norm(norm, op, process_group, layer_kwargs), op).train(op.training))
+        _set(model, op_name, PreNorm(_pre_norm(spec, op, process_group), op).train(op.training))
         record.changes.append(_Change(op_name, op, f"{type(op).__name__} -> {label} + {type(op).__name__}"))
 
 

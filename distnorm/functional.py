@@ -19,11 +19,9 @@ import torch
 from distnorm import _collectives, _ops
 from distnorm._collectives import ProcessGroup
 from distnorm._functions import NormalizeFunction, NormState, bnp_precondition, channel_affine
+from distnorm.specs import EVAL_STATS  # accepted values of CBN's eval_stats (SPEC §1, Eval mode)
 
 __all__ = ["amat_eta", "bnp_precondition", "cbn", "cbn_inference", "pop_norm", "sync_batch_norm"]
-
-#: Accepted values of CBN's ``eval_stats`` (SPEC §1, Eval mode).
-EVAL_STATS = ("auto", "amat", "running")
 
 
 def amat_eta(lr: float, omega: float) -> float:

@@ -19,24 +19,15 @@ import torch
 from torch import nn
 
 from distnorm import _ops
-from distnorm import functional as F
+from distnorm import functional  # not torch.nn.functional: distnorm's own
 from distnorm._collectives import ProcessGroup
 from distnorm._functions import NormState
+from distnorm.specs import CBNSpec, POPNormSpec, SyncBNSpec
 
 __all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "name_layers"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _warned_no_lr = False  # one warning per process, not one per layer
-
-
-def _check_positive(owner: str, name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{owner}: {name} must be a positive finite number, got {value!r}")
-
-
-def _check_momentum(owner: str, momentum: float | None) -> None:
-    if momentum is not None and not (isinstance(momentum, (int, float)) and 0.0 <= momentum <= 1.0):
-        raise ValueError(f"{owner}: momentum must be in [0, 1] or None (cumulative average), got {momentum!r}")
 
 
 def _check_num_features(owner: str, num_features: int) -> None:
@@ -131,20 +122,11 @@ class _CompleteNorm(_DistNormLayer):
         sync: bool,
         process_group: ProcessGroup | None,
     ) -> None:
+        # Hyper-parameters were validated by the layer's spec (distnorm.specs), their one owner.
         super().__init__()
-        owner = type(self).__name__
-        _check_num_features(owner, num_features)
-        _check_positive(owner, "rho" if owner == "CBN" else "kappa", rho)
-        _check_positive(owner, "eps", eps)
-        _check_momentum(owner, momentum)
-        if not (isinstance(omega, (int, float)) and math.isfinite(omega) and omega >= 0):
-            raise ValueError(f"{owner}: omega must be a finite number >= 0, got {omega!r}")
-        if not (isinstance(r_max, (int, float)) and r_max >= 1.0):
-            raise ValueError(f"{owner}: r_max must be >= 1 (ratios are clamped to [1/r_max, r_max]), got {r_max!r}")
+        _check_num_features(type(self).__name__, num_features)
         if eval_stats is None:
             eval_stats = "auto" if amat else "running"
-        if eval_stats not in F.EVAL_STATS:
-            raise ValueError(f"{owner}: eval_stats must be one of {F.EVAL_STATS} or None, got {eval_stats!r}")
 
         self.num_features = num_features
         self._init_state("cbn", eps=float(eps), momentum=momentum, rho=float(rho), r_max=float(r_max),
@@ -209,7 +191,7 @@ class _CompleteNorm(_DistNormLayer):
         """AMAT's weight on history for the current learning rate (0 without AMAT)."""
         if not self.amat or self.lr is None:
             return 0.0
-        return F.amat_eta(self.lr, self.omega)
+        return functional.amat_eta(self.lr, self.omega)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
@@ -227,9 +209,9 @@ class _CompleteNorm(_DistNormLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _warned_no_lr
-        F._check_input(x, self.num_features, self._state.name)
+        functional._check_input(x, self.num_features, self._state.name)
         if not self.training:
-            return F.cbn_inference(
+            return functional.cbn_inference(
                 x, self.weight, self.bias, self.amat_mean, self.amat_var, self.amat_eta, self.running_mean,
                 self.running_var, self.num_batches_tracked, rho=self.rho, eps=self.eps, momentum=self.momentum,
                 eval_stats=self.eval_stats, layer=self._state.name,
@@ -245,9 +227,9 @@ class _CompleteNorm(_DistNormLayer):
                 stacklevel=2,
             )
         stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
-            xd, F.no_grad_input(self.weight), F.no_grad_input(self.bias), self.amat_mean, self.amat_var, self.amat_initialized,
+            xd, functional.no_grad_input(self.weight), functional.no_grad_input(self.bias), self.amat_mean, self.amat_var, self.amat_initialized,
             self.running_mean, self.running_var, self.num_batches_tracked, self.amat_eta, self._state)
-        return F.normalize(x, self.weight, self.bias, self._state, stats)
+        return functional.normalize(x, self.weight, self.bias, self._state, stats)
 
 
 class CBN(_CompleteNorm):
@@ -298,20 +280,19 @@ class CBN(_CompleteNorm):
         self,
         num_features: int,
         *,
-        rho: float = 1.0,
-        amat: bool = True,
-        omega: float = 10.0,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        r_max: float = 3.0,
-        eval_stats: str | None = None,
-        sync: bool = True,
+        rho: float = CBNSpec.rho,
+        amat: bool = CBNSpec.amat,
+        omega: float = CBNSpec.omega,
+        eps: float = CBNSpec.eps,
+        momentum: float | None = CBNSpec.momentum,
+        r_max: float = CBNSpec.r_max,
+        eval_stats: str | None = CBNSpec.eval_stats,
+        sync: bool = CBNSpec.sync,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        super().__init__(
-            num_features, rho=rho, amat=amat, omega=omega, eps=eps, momentum=momentum,
-            r_max=r_max, eval_stats=eval_stats, sync=sync, process_group=process_group,
-        )
+        spec = CBNSpec(rho=rho, amat=amat, omega=omega, eps=eps, momentum=momentum, r_max=r_max,
+                       eval_stats=eval_stats, sync=sync)
+        super().__init__(num_features, process_group=process_group, **spec.kwargs())
 
     def extra_repr(self) -> str:
         return (
@@ -339,16 +320,15 @@ class POPNorm(_CompleteNorm):
         self,
         num_features: int,
         *,
-        kappa: float = 4.0,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        sync: bool = True,
+        kappa: float = POPNormSpec.kappa,
+        eps: float = POPNormSpec.eps,
+        momentum: float | None = POPNormSpec.momentum,
+        sync: bool = POPNormSpec.sync,
         process_group: ProcessGroup | None = None,
     ) -> None:
-        super().__init__(
-            num_features, rho=kappa, amat=False, omega=0.0, eps=eps, momentum=momentum,
-            r_max=1.0, eval_stats="running", sync=sync, process_group=process_group,
-        )
+        spec = POPNormSpec(kappa=kappa, eps=eps, momentum=momentum, sync=sync)
+        super().__init__(num_features, rho=spec.kappa, amat=False, omega=0.0, eps=spec.eps, momentum=spec.momentum,
+                         r_max=1.0, eval_stats="running", sync=spec.sync, process_group=process_group)
 
     @property
     def kappa(self) -> float:
@@ -386,8 +366,7 @@ class SyncBatchNorm(_DistNormLayer):
     ) -> None:
         super().__init__()
         _check_num_features("SyncBatchNorm", num_features)
-        _check_positive("SyncBatchNorm", "eps", eps)
-        _check_momentum("SyncBatchNorm", momentum)
+        SyncBNSpec(eps=eps, momentum=momentum)  # validates
         if momentum is None and not track_running_stats:
             momentum = 0.0  # unused
         self.num_features = num_features
@@ -422,7 +401,7 @@ class SyncBatchNorm(_DistNormLayer):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.sync_batch_norm(
+        return functional.sync_batch_norm(
             x, self.running_mean, self.running_var, self.weight, self.bias, self.num_batches_tracked,
             training=self.training, momentum=self.momentum, eps=self.eps, layer=self._state.name,
             state=self._state,

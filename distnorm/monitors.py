@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distnorm.layers import _CompleteNorm
+from distnorm.layers import CBN, POPNorm
 
 __all__ = ["TheoryMonitor"]
 
@@ -40,13 +40,9 @@ QUANTILES = (0.05, 0.5, 0.95)
 
 def _scale_invariant_weights(model: nn.Module) -> list[str]:
     """Conv / linear layers whose output goes straight into a BatchNorm (found by torch.fx)."""
-    from distnorm.convert import _pairs_from_graph, _trace
+    from distnorm.convert import linear_batchnorm_pairs
 
-    graph = _trace(model)
-    if graph is None:
-        return []
-    pairs, _ = _pairs_from_graph(graph, dict(model.named_modules()))
-    return [op for op, _ in pairs]
+    return [op for op, _ in linear_batchnorm_pairs(model)]
 
 
 class TheoryMonitor:
@@ -62,7 +58,7 @@ class TheoryMonitor:
         if every < 1:
             raise ValueError(f"TheoryMonitor: every must be >= 1, got {every}")
         self.every, self.momentum = every, momentum
-        self.norm_layers = {name: m for name, m in model.named_modules() if isinstance(m, _CompleteNorm)}
+        self.norm_layers = {name: m for name, m in model.named_modules() if isinstance(m, (CBN, POPNorm))}
         for layer in self.norm_layers.values():
             layer.stats_sink = {}
         invariant = set(_scale_invariant_weights(model))

@@ -21,6 +21,7 @@ The engine-specific few lines live in :mod:`distnorm.integrations.accelerate` an
 
 from __future__ import annotations
 
+import importlib
 import logging
 import warnings
 from datetime import timedelta
@@ -30,9 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distnorm import _collectives, bnp
+from distnorm import _collectives
 from distnorm.config import OFF, DistNormConfig
-from distnorm.consistency import assert_same_across_ranks, check_consistency, consistent_tensors
+from distnorm._collectives import assert_same_across_ranks
+from distnorm.consistency import check_consistency, consistent_tensors
 from distnorm.convert import convert
 from distnorm.layers import _CompleteNorm
 
@@ -100,6 +102,31 @@ def buffer_broadcast_needed(plugin: "DistNormPlugin") -> str | None:
     return None
 
 
+#: Engines the integrations taught the plugin to follow: (engine type, adapter). An adapter
+#: ``adapter(plugin, engine)`` returns the function giving each AMAT layer's learning rate
+#: and may hook the engine (checkpoints). The core knows no engine by itself.
+_ENGINE_ADAPTERS: list[tuple[type, Callable[["DistNormPlugin", Any], Callable[[], list[float]]]]] = []
+
+
+def register_engine(kind: type, adapter: Callable[["DistNormPlugin", Any], Callable[[], list[float]]]) -> None:
+    """Let :meth:`DistNormPlugin.follow` accept instances of ``kind`` (integrations call it)."""
+    if all(k is not kind for k, _ in _ENGINE_ADAPTERS):
+        _ENGINE_ADAPTERS.append((kind, adapter))
+
+
+def _engine_adapter(source: Any) -> Callable | None:
+    """The adapter registered for ``source``'s type. The integration named after the
+    source's library (``distnorm.integrations.<library>``) is imported first, so it has
+    registered its engines whether or not the script imported it."""
+    library = type(source).__module__.split(".")[0]
+    try:
+        importlib.import_module(f"distnorm.integrations.{library}")
+    except ModuleNotFoundError as err:
+        if err.name != f"distnorm.integrations.{library}":
+            raise
+    return next((adapter for kind, adapter in _ENGINE_ADAPTERS if isinstance(source, kind)), None)
+
+
 class DistNormPlugin:
     """distnorm's layers, BNP, AMAT learning rate and consistency checks for one model.
 
@@ -127,19 +154,10 @@ class DistNormPlugin:
         self._config_checked = False
         self._verify_config()
         cfg = self.config
-        convert(
-            model,
-            norm=None if cfg.norm == OFF else cfg.norm,
-            activation=cfg.activation,
-            process_group=self.group,
-            **cfg.layer_kwargs(),
-        )
-        self.bnp_handle = None
-        if cfg.bnp:
-            self.bnp_handle = bnp.attach(
-                model, momentum=cfg.bnp_momentum, eps1=cfg.bnp_eps1, eps2=cfg.bnp_eps2,
-                add_bias=cfg.bnp_add_bias, exclude=cfg.bnp_exclude, process_group=self.group,
-            )
+        # The selected norm's spec carries its hyper-parameters ("none": no spec, "off": no change).
+        convert(model, norm=None if cfg.norm == OFF else (cfg.norm_spec or cfg.norm), activation=cfg.activation,
+                process_group=self.group)
+        self.bnp_handle = cfg.bnp.attach(model, process_group=self.group) if cfg.bnp is not None else None
         self.amat_layers = [m for m in model.modules() if isinstance(m, _CompleteNorm) and m.amat]
         self.local_running_stats = unsynchronized_running_stats(model)
         self._lr_of_layer: Callable[[], list[float]] | None = None
@@ -149,7 +167,8 @@ class DistNormPlugin:
         self._hook = model.register_forward_pre_hook(self._before_forward) if self.config.active else None
 
     def __repr__(self) -> str:
-        return f"DistNormPlugin(norm={self.config.norm!r}, bnp={self.config.bnp}, amat_layers={len(self.amat_layers)})"
+        return (f"DistNormPlugin(norm={self.config.norm!r}, bnp={self.config.bnp is not None}, "
+                f"amat_layers={len(self.amat_layers)})")
 
     # ------------------------------------------------------------------ setup
     def _verify_config(self) -> None:
@@ -164,14 +183,15 @@ class DistNormPlugin:
 
         ``source`` is a torch optimizer (or Accelerate's wrapper: anything with
         ``param_groups``) — each AMAT layer follows the group holding its weight, or group 0
-        — a DeepSpeed engine (``get_lr()[0]``: ZeRO flattens the groups), or a callable
-        returning the learning rate. Also broadcasts and verifies distnorm's buffers.
+        — a training engine an integration registered (:func:`register_engine`; the
+        DeepSpeed engine: ``get_lr()[0]``), or a callable returning the learning rate. Also
+        broadcasts and verifies distnorm's buffers.
         """
         if not self.config.active:
             return self  # nothing of distnorm's to follow, broadcast or verify
-        if hasattr(source, "get_lr") and hasattr(source, "save_checkpoint"):  # a DeepSpeed engine
-            self._lr_of_layer = lambda: [source.get_lr()[0]] * len(self.amat_layers)
-            self._wrap_deepspeed_checkpointing(source)
+        adapter = _engine_adapter(source)
+        if adapter is not None:  # a training engine: its integration knows how to read it
+            self._lr_of_layer = adapter(self, source)
         elif hasattr(source, "param_groups"):
             groups = source.param_groups
             where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
@@ -253,31 +273,11 @@ class DistNormPlugin:
         self.training_forwards = int(state["training_forwards"])
         self._resync = True  # broadcast + verify at the next training forward
 
-    def _wrap_deepspeed_checkpointing(self, engine: Any) -> None:
-        """Carry the plugin state in DeepSpeed's ``client_state`` and re-synchronize the
-        buffers after every load (ZeRO-3 checkpoints keep one copy per rank)."""
-        if getattr(engine, "_distnorm_wrapped", False):
-            return
-        save, load = engine.save_checkpoint, engine.load_checkpoint
-        plugin = self
-
-        def save_checkpoint(save_dir, tag=None, client_state=None, *args, **kwargs):
-            client_state = dict(client_state or {})
-            client_state["distnorm"] = plugin.state_dict()
-            return save(save_dir, tag, client_state, *args, **kwargs)
-
-        def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-            path, client_state = load(load_dir, tag, *args, **kwargs)
-            if client_state and "distnorm" in client_state:
-                plugin.load_state_dict(client_state.pop("distnorm"))
-            if path is not None:
-                plugin._resync = False
-                plugin.sync_buffers()  # every rank loads together: synchronize right here
-            return path, client_state
-
-        engine.save_checkpoint = save_checkpoint
-        engine.load_checkpoint = load_checkpoint
-        engine._distnorm_wrapped = True
+    def resync_now(self) -> None:
+        """Broadcast and verify the buffers at once (every rank calls it together, e.g. right
+        after an engine loaded a checkpoint), instead of at the next training forward."""
+        self._resync = False
+        self.sync_buffers()
 
     def remove(self) -> None:
         """Stop following the optimizer and checking (the converted layers stay)."""

@@ -1,7 +1,7 @@
 """Train a torchvision ResNet-18 with Hugging Face Accelerate — with the distnorm plugin.
 
     accelerate launch --cpu --num_processes 2 examples/accelerate_train.py --cpu --distnorm cbn
-    torchrun --nproc_per_node 8 examples/accelerate_train.py --distnorm cbn --distnorm-rho 2 --distnorm-bnp
+    torchrun --nproc_per_node 8 examples/accelerate_train.py --distnorm cbn --distnorm-cbn-rho 2 --distnorm-bnp
 
 The lines marked ``# distnorm`` are the whole integration; without ``--distnorm`` flags the
 script trains exactly as before. (On CPU, Accelerate runs multi-process only with ``--cpu``.)

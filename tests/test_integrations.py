@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import distnorm
+from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec
 
 pytest.importorskip("accelerate")
 pytest.importorskip("deepspeed")
@@ -85,7 +87,7 @@ CONFIGS = [
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("engine_args", CONFIGS)
 def test_two_ranks_match_one_process(tmp_path, engine_args):
-    args = [*engine_args, "--distnorm", "cbn", "--distnorm-rho", "2", "--steps", "6", "--distnorm-check-every", "2"]
+    args = [*engine_args, "--distnorm", "cbn", "--distnorm-cbn-rho", "2", "--steps", "6", "--distnorm-check-every", "2"]
     split = launch(2, tmp_path / "split", *args)
     (single,) = launch(1, tmp_path / "single", *args)
     _assert_same_training(split, single)
@@ -129,25 +131,81 @@ def test_config_sources_agree(tmp_path):
 
     parser = distnorm.add_arguments(argparse.ArgumentParser())
     from_args = distnorm.DistNormConfig.from_args(parser.parse_args(
-        ["--distnorm", "popnorm", "--distnorm-kappa", "3", "--distnorm-bnp", "--distnorm-bnp-exclude", "fc,head"]))
-    from_env = distnorm.DistNormConfig.from_env({"DISTNORM_NORM": "popnorm", "DISTNORM_KAPPA": "3",
+        ["--distnorm", "popnorm", "--distnorm-popnorm-kappa", "3", "--distnorm-bnp", "--distnorm-bnp-exclude", "fc,head"]))
+    from_env = distnorm.DistNormConfig.from_env({"DISTNORM_NORM": "popnorm", "DISTNORM_POPNORM_KAPPA": "3",
                                                  "DISTNORM_BNP": "true", "DISTNORM_BNP_EXCLUDE": "fc,head",
                                                  "DISTNORM_DEBUG": "1", "PATH": "/bin"})
     yaml_file = tmp_path / "run.yaml"
-    yaml_file.write_text("model: resnet18\ndistnorm:\n  norm: popnorm\n  kappa: 3\n  bnp: true\n  bnp_exclude: [fc, head]\n")
+    yaml_file.write_text("model: resnet18\ndistnorm:\n  norm: popnorm\n  popnorm: {kappa: 3}\n  bnp: {exclude: [fc, head]}\n")
     from_yaml = distnorm.DistNormConfig.from_yaml(yaml_file)
     assert from_args == from_env == from_yaml
-    assert from_args.layer_kwargs() == {"kappa": 3.0}
+    assert from_args.norm_spec == POPNormSpec(kappa=3.0) and from_args.bnp == BNPSpec(exclude=("fc", "head"))
+
+
+def _other_value(f):
+    """A valid value of spec field ``f`` other than its default (text, as a user types it)."""
+    overrides = {"eval_stats": "running", "exclude": "fc,head", "num_groups": "4", "group_size": "4", "decay": "0.9",
+                 "r_max": "2.0", "momentum": "0.2", "eps": "0.001"}
+    if f.name in overrides:
+        return overrides[f.name]
+    if str(f.type).startswith("bool"):
+        return "false" if f.default else "true"
+    return "2.5"
+
+
+@pytest.mark.parametrize("section", ["cbn", "popnorm", "bn", "gn", "bnp"])
+def test_every_spec_field_is_reachable_from_every_front_end(section, tmp_path):
+    """One owner per hyper-parameter: each field of each spec can be set from the command line,
+    the environment, YAML and a train-recipe override, and all four give the same spec.
+    Bug caught: a layer parameter that one front end cannot set (r_max, eval_stats and sync
+    had no flag, variable or YAML key before the specs)."""
+    import argparse
+    import dataclasses
+
+    from distnorm.config import SECTIONS
+    from distnorm.train.config import apply_overrides, from_dict
+
+    for f in dataclasses.fields(SECTIONS[section]):
+        if section == "gn" and f.name == "group_size":
+            continue  # exclusive with num_groups, set alone below
+        text = _other_value(f)
+        norm = section if section != "bnp" else "cbn"
+        flag = f"--distnorm-{section}-{f.name.replace('_', '-')}"
+        argv = ["--distnorm", norm, *(["--distnorm-bnp"] if section == "bnp" else [])]
+        argv += [flag] if str(f.type).startswith("bool") and text == "true" else \
+            [f"--no-{flag[2:]}"] if str(f.type).startswith("bool") else [flag, text]
+        from_args = distnorm.DistNormConfig.from_args(distnorm.add_arguments(argparse.ArgumentParser()).parse_args(argv))
+        env = {"DISTNORM_NORM": norm, f"DISTNORM_{section.upper()}_{f.name.upper()}": text,
+               **({"DISTNORM_BNP": "1"} if section == "bnp" else {})}
+        from_env = distnorm.DistNormConfig.from_env(env)
+        from_yaml = distnorm.DistNormConfig.from_yaml({"norm": norm, section: {f.name: yaml.safe_load(text)}}, section=None)
+        recipe = from_dict(apply_overrides({"model": {"name": "resnet20"}}, [f"distnorm.norm={norm}",
+                                                                           f"distnorm.{section}.{f.name}={text}"])).distnorm
+        got = {getattr(c, section) for c in (from_args, from_env, from_yaml, recipe)}
+        assert len(got) == 1, (f.name, got)
+        assert getattr(got.pop(), f.name) != f.default, f.name
+
+
+def test_flat_keys_of_0_1_still_load_with_a_warning():
+    """Configs and checkpoints written before the specs (flat rho / kappa / gn_groups / bnp_*)."""
+    with pytest.warns(FutureWarning, match=r"rho -> cbn.rho"):
+        old = distnorm.DistNormConfig.from_yaml({"norm": "cbn", "rho": 2.0, "omega": 5.0, "bnp": True,
+                                                 "bnp_momentum": 0.9, "gn_groups": 8}, section=None)
+    assert old == distnorm.DistNormConfig(norm="cbn", cbn=CBNSpec(rho=2.0, omega=5.0), gn=GNSpec(num_groups=8),
+                                          bnp=BNPSpec(decay=0.9))
 
 
 @pytest.mark.parametrize(
     "make,match",
     [
         (lambda: distnorm.DistNormConfig(norm="batchnorm"), "norm must be one of"),
-        (lambda: distnorm.DistNormConfig(rho=0), "rho"),
+        (lambda: distnorm.DistNormConfig(cbn={"rho": 0}), "CBN: rho must be a positive"),
+        (lambda: distnorm.DistNormConfig(cbn={"rhoo": 1}), r"unknown keyword\(s\) \['rhoo'\]"),
         (lambda: distnorm.DistNormConfig.from_env({"DISTNORM_RHOO": "2"}), "unknown environment variable DISTNORM_RHOO"),
         (lambda: distnorm.DistNormConfig.from_env({"DISTNORM_BNP": "maybe"}), "DISTNORM_BNP='maybe'"),
+        (lambda: distnorm.DistNormConfig.from_env({"DISTNORM_BNP_DECAY": "0.9"}), "without switching BNP on"),
         (lambda: distnorm.DistNormConfig.from_yaml({"distnorm": {"nrom": "cbn"}}), r"unknown key\(s\) \['nrom'\]"),
+        (lambda: distnorm.DistNormConfig(gn={"num_groups": 4, "group_size": 2}), "num_groups or group_size, not both"),
     ],
 )
 def test_bad_config(make, match):

@@ -51,6 +51,10 @@ def test_demo_path_end_to_end(tmp_path, digits):
     proc = _torchrun_sh(str(DEMO), *_data_overrides(digits), f"output.dir={run}", "train.epochs=2",
                         "output.progress=false", "output.monitors=true", "output.monitor_every=10", env=_env(NPROC="2"))
     assert "final top-1" in proc.stdout and "checkpoints/latest" in proc.stdout
+    # A quiet console (output.log_level=warning): one summary line per epoch, no library INFO
+    # lines (Accelerate's checkpointing printed 76 of them around the progress bar).
+    assert [line[:9] for line in proc.stdout.splitlines() if line.startswith("epoch ")] == ["epoch 1/2", "epoch 2/2"]
+    assert " INFO " not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     evals = _records(run, "eval")
     assert len(evals) == 2 and evals[-1]["count"] == 360 and evals[-1]["top1"] > 30
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()

@@ -20,12 +20,13 @@ checkpoint's ``client_state["distnorm"]``.
 
 from __future__ import annotations
 
+import argparse
+from typing import Any, Callable
+
 from torch import nn
 
-import argparse
-
 from distnorm.config import DistNormConfig, add_arguments
-from distnorm.plugin import DistNormPlugin
+from distnorm.plugin import DistNormPlugin, register_engine
 
 __all__ = ["prepare", "add_arguments"]
 
@@ -41,3 +42,43 @@ def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None
     if isinstance(config, argparse.Namespace):
         config = DistNormConfig.from_args(config)
     return DistNormPlugin(model, config)
+
+
+def _follow_engine(plugin: DistNormPlugin, engine: Any) -> Callable[[], list[float]]:
+    """AMAT reads ``engine.get_lr()[0]`` (ZeRO flattens the parameter groups); the plugin's
+    state travels in DeepSpeed's checkpoints."""
+    _carry_state_in_checkpoints(plugin, engine)
+    return lambda: [engine.get_lr()[0]] * len(plugin.amat_layers)
+
+
+def _carry_state_in_checkpoints(plugin: DistNormPlugin, engine: Any) -> None:
+    """Carry the plugin state in DeepSpeed's ``client_state`` and re-synchronize the
+    buffers after every load (ZeRO-3 checkpoints keep one copy per rank)."""
+    if getattr(engine, "_distnorm_wrapped", False):
+        return
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, client_state=None, *args, **kwargs):
+        client_state = dict(client_state or {})
+        client_state["distnorm"] = plugin.state_dict()
+        return save(save_dir, tag, client_state, *args, **kwargs)
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        path, client_state = load(load_dir, tag, *args, **kwargs)
+        if client_state and "distnorm" in client_state:
+            plugin.load_state_dict(client_state.pop("distnorm"))
+        if path is not None:
+            plugin.resync_now()  # every rank loads together: synchronize right here
+        return path, client_state
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint
+    engine._distnorm_wrapped = True
+
+
+try:
+    from deepspeed import DeepSpeedEngine
+except ImportError:  # prepare() says what to install
+    pass
+else:
+    register_engine(DeepSpeedEngine, _follow_engine)

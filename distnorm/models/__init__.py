@@ -82,7 +82,7 @@ def create(
     name: str,
     *,
     num_classes: int,
-    norm: str = "bn",
+    norm: Any = "bn",
     activation: str | None = "relu",
     process_group: Any = None,
     norm_kwargs: dict[str, Any] | None = None,
@@ -94,17 +94,18 @@ def create(
         name: one of :func:`available`.
         num_classes: classifier outputs.
         norm: ``"cbn"``, ``"popnorm"``, ``"bn"`` (synchronized), ``"gn"``, ``"none"``, or
-            ``"local_bn"`` (PyTorch's BatchNorm, unsynchronized: the baseline).
+            ``"local_bn"`` (PyTorch's BatchNorm, unsynchronized: the baseline); or a spec
+            from :mod:`distnorm.specs` (``CBNSpec(rho=2.0)``).
         activation: ``"relu"``, ``"sigmoid"``, ``"tanh"``, ``"selu"``, ``"swish"``, or
             ``None`` for the architecture's own (EfficientNet: swish).
         process_group: group of the synchronized layers.
-        norm_kwargs: keyword arguments of the new normalization layers (``rho``, ``kappa``,
+        norm_kwargs: fields of the norm's spec when ``norm`` is a name (``rho``, ``kappa``,
             ``omega``, ``num_groups``, ...).
         **kw: passed to the architecture's constructor.
     """
     if name not in _REGISTRY:
         raise ValueError(f"unknown model {name!r}; available: {available()}")
-    if norm != LOCAL_BN and norm not in NORMS:
+    if isinstance(norm, str) and norm != LOCAL_BN and norm not in NORMS:
         raise ValueError(f"unknown norm {norm!r}; choose one of {(*NORMS, LOCAL_BN)}")
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")

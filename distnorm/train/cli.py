@@ -38,17 +38,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def set_log_level(level: str) -> None:
+    """Every logger at ``level`` (``output.log_level``): the root, which distnorm's and
+    Accelerate's loggers inherit, and the libraries that keep a level of their own."""
+    value = getattr(logging, level.upper())
+    logging.getLogger().setLevel(value)
+    for name in ("DeepSpeed", "accelerate", "torch.distributed"):
+        logging.getLogger(name).setLevel(value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from distnorm.train.config import ConfigError, load_config
     from distnorm.train.engines import local_world
     from distnorm.train.loop import check_setup, train
 
     try:
         cfg = load_config(args.config, args.overrides)
+        set_log_level(cfg.output.log_level)
         if args.check:
             world = args.world_size or local_world()[1]
             check_setup(cfg, world)

@@ -5,13 +5,13 @@ and the data paths; defaults below)::
 
     extends: ../base/imagenet.yaml      # deep-merged underneath this file (relative path)
     model:    {name: resnet18, num_classes: 1000}
-    distnorm: {norm: cbn, rho: 1.0, omega: 10.0, bnp: false, ...}     # distnorm.DistNormConfig
+    distnorm: {norm: cbn, cbn: {rho: 1.0, omega: 10.0}, bnp: null, ...}  # distnorm.DistNormConfig
     data:     {train_shards: ..., train_index: ..., val_shards: ..., val_index: ..., ...}
     optim:    {lr: 0.1, momentum: 0.9, weight_decay: 1.0e-4, milestones: [30, 60, 90], ...}
     train:    {engine: accelerate, epochs: 120, global_batch_size: 256, precision: fp32, ...}
     output:   {dir: runs/resnet18_cbn, checkpoint_every_steps: 0, keep_last: 3, ...}
 
-``key=value`` overrides (``train.epochs=2 distnorm.norm=bn``) are applied on top, values
+``key=value`` overrides (``train.epochs=2 distnorm.norm=bn distnorm.cbn.rho=2``) are applied on top, values
 parsed as YAML. Unknown sections or keys anywhere are errors naming the key and the
 accepted ones: no key in a config is ignored silently.
 """
@@ -99,6 +99,12 @@ class OutputConfig:
     progress: bool = True
     monitors: bool = False  # theory monitors (distnorm.monitors), logged as kind "monitor"
     monitor_every: int = 50
+    # Console logging of distnorm and the libraries (Accelerate, DeepSpeed, torch): the
+    # progress bar and one summary line per epoch are printed regardless.
+    log_level: str = "warning"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -149,6 +155,8 @@ class TrainConfig:
             raise ConfigError(f"train.collective_timeout_s must be > 0, got {t.collective_timeout_s!r}")
         if d.transform not in TRANSFORM_PRESETS:
             raise ConfigError(f"data.transform={d.transform!r}; choose one of {TRANSFORM_PRESETS}")
+        if o.log_level not in LOG_LEVELS:
+            raise ConfigError(f"output.log_level={o.log_level!r}; choose one of {LOG_LEVELS}")
         if d.on_error not in ("raise", "skip"):
             raise ConfigError(f"data.on_error={d.on_error!r}; choose 'raise' or 'skip'")
         for name, value in (("train.epochs", t.epochs), ("train.global_batch_size", t.global_batch_size),
@@ -255,9 +263,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 "it: quote the argument (remote shells, e.g. the DeepSpeed runner's pdsh, expand it too).")
     for dotted, (raw,) in given.items():
         parts = dotted.split(".")
-        if len(parts) != 2 or parts[0] not in _SECTIONS:
-            raise ConfigError(f"override {dotted!r} must be <section>.<key> with section in {sorted(_SECTIONS)}")
-        data.setdefault(parts[0], {})[parts[1]] = yaml.safe_load(raw)
+        nested = len(parts) == 3 and parts[0] == "distnorm"  # distnorm.cbn.rho=2: a spec's field
+        if not (len(parts) == 2 or nested) or parts[0] not in _SECTIONS:
+            raise ConfigError(f"override {dotted!r} must be <section>.<key> with section in {sorted(_SECTIONS)}, "
+                              "or distnorm.<norm or bnp>.<key>")
+        target = data.setdefault(parts[0], {})
+        if nested:
+            inner = target.get(parts[1])
+            if not isinstance(inner, dict):  # absent, or `bnp: true/false`: a mapping now (for bnp: on)
+                inner = target[parts[1]] = {}
+            target = inner
+        target[parts[-1]] = yaml.safe_load(raw)
     return data
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -20,7 +22,7 @@ from distnorm.train.config import ConfigError, TrainConfig
 from distnorm.train.engines import local_world, make_engine, require_engine
 from distnorm.train.metrics import MetricsWriter
 
-__all__ = ["train", "check_setup"]
+__all__ = ["train", "train_one_epoch", "evaluate_model", "build_model", "build_loaders", "check_setup", "SyntheticLoader"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,7 @@ def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
     and what each rank has."""
     import hashlib
 
-    from distnorm.consistency import assert_same_across_ranks
+    from distnorm._collectives import assert_same_across_ranks
 
     def digest(path: str | None) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and Path(path).is_file() else "-"
@@ -121,7 +123,7 @@ def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int) -> N
     rank reads which shards and where each rank's data position is, so an exact resume is
     impossible; it is refused rather than silently resumed inexactly.
     """
-    from distnorm.consistency import assert_same_across_ranks
+    from distnorm._collectives import assert_same_across_ranks
 
     where = str(found[0]) if found is not None else "no checkpoint"
     assert_same_across_ranks(
@@ -188,61 +190,192 @@ def _all_finite(loss_value: float, world: int, device: torch.device) -> bool:
     return bool(bad.item() == 0)
 
 
+class SyntheticLoader:
+    """Random batches with the interface of the shard loaders: what ``--dry-run`` trains and
+    evaluates on, so the dry run goes through the same loop as a real run."""
+
+    def __init__(self, batch: int, image_size: int, num_classes: int, *, batches: int, for_eval: bool = False):
+        self.batch, self.image_size, self.num_classes = batch, image_size, num_classes
+        self.batches, self.for_eval, self.skip = batches, for_eval, 0
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.skip = skip_batches
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self):
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(self.skip, self.batches):
+            images = torch.randn(self.batch, 3, self.image_size, self.image_size, generator=gen)
+            labels = torch.randint(0, self.num_classes, (self.batch,), generator=gen)
+            if self.for_eval:  # the eval loader's (images, labels, real-sample mask, keys)
+                yield images, labels, torch.ones(self.batch, dtype=torch.bool), [""] * self.batch
+            else:
+                yield images, labels
+
+
+def build_model(cfg: TrainConfig, world: int) -> nn.Module:
+    """The zoo model with PyTorch's BatchNorm (the engine's ``prepare`` converts it), the
+    same on every rank (checked)."""
+    torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
+    model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm="local_bn", activation=None)
+    agree_on_setup(cfg, model, world)
+    return model
+
+
+def build_loaders(cfg: TrainConfig, rank: int, world: int, per_rank: int) -> tuple[TrainLoader, EvalLoader | None]:
+    """The WebDataset train loader (this rank's shards, shuffled per epoch, resumable) and the
+    exact-once eval loader."""
+    d = cfg.data
+    index = ShardIndex.load(d.train_index)
+    class_sorted = index.class_sorted_shards()
+    if class_sorted and rank == 0:
+        logger.warning(
+            "%d of %d training shards hold only one or two classes (e.g. %s): they were written in class "
+            "order, so batches are not mixed and batch statistics are biased. Rewrite them with "
+            "distnorm-shards, which writes samples in a seeded random order.",
+            len(class_sorted), len(index.shards), class_sorted[:3])
+    train_loader = TrainLoader(
+        d.train_shards, num_samples=index.total, batch_size=per_rank, rank=rank, world_size=world,
+        seed=cfg.train.seed, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
+        shuffle_buffer=d.shuffle_buffer, transform=d.transform, image_size=d.image_size, on_error=d.on_error,
+    )
+    eval_loader = None
+    if d.val_shards:
+        eval_loader = EvalLoader(
+            d.val_shards, index=d.val_index, batch_size=d.eval_batch_size or per_rank, rank=rank,
+            world_size=world, num_workers=d.eval_workers, prefetch_factor=d.prefetch_factor,
+            transform=d.transform, image_size=d.image_size, on_error=d.on_error,
+        )
+    return train_loader, eval_loader
+
+
+def _dry_run_config(cfg: TrainConfig) -> TrainConfig:
+    """Two training steps (one short epoch), then an evaluation; no progress bar."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=2, eval_every_epochs=1),
+                               output=dataclasses.replace(cfg.output, progress=False))
+
+
+@dataclass
+class _Run:
+    """What one training run holds while it goes through its epochs."""
+
+    cfg: TrainConfig
+    engine: Any
+    train_loader: Any
+    eval_loader: Any
+    writer: MetricsWriter
+    progress: _Progress
+    monitor: Any
+    save: Callable[[int, int, int], None]
+    world: int
+    per_rank: int
+    max_steps: int
+    global_step: int
+    lr: float
+    loss_fn: nn.Module = field(default_factory=nn.CrossEntropyLoss)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.train_loader)
+
+
+def train_one_epoch(run: _Run, epoch: int, skip: int) -> int:
+    """Train ``epoch`` from batch ``skip`` (a mid-epoch resume) until its end or
+    ``max_steps``; returns the number of batches of the epoch done."""
+    cfg, engine = run.cfg, run.engine
+    run.train_loader.set_epoch(epoch, skip_batches=skip)
+    engine.model.train()
+    step_in_epoch, seen, loss_sum, window = skip, 0, 0.0, time.time()
+    for images, labels in run.train_loader:
+        step_in_epoch += 1
+        step = run.global_step + 1
+        images = engine.cast_inputs(images.to(engine.device, non_blocking=True))
+        labels = labels.to(engine.device, non_blocking=True)
+        with _phase("forward", epoch, step):
+            loss = run.loss_fn(engine.model(images).float(), labels)
+            loss_value = loss.item()  # the step's one host sync (logging and the NaN check)
+            finite = _all_finite(loss_value, run.world, loss.device)
+        if not finite:
+            if cfg.train.on_nonfinite == "stop":
+                raise FloatingPointError(
+                    f"non-finite loss at epoch {epoch}, step {step} (on at least one rank); "
+                    "set train.debug=true to name the first layer with non-finite statistics, or "
+                    "train.on_nonfinite=skip to skip such steps")
+            run.writer.log("skipped_step", step=step, epoch=epoch, reason="non-finite loss")
+            continue
+        with _phase("backward", epoch, step):
+            engine.backward(loss)
+        if run.monitor is not None:
+            run.monitor.after_backward(step)
+        run.lr = engine.lr()
+        with _phase("optimizer step", epoch, step):
+            engine.step()
+        run.global_step = step
+        if run.monitor is not None:
+            for record in run.monitor.records(step):
+                run.writer.log("monitor", epoch=epoch, **record)
+        loss_sum += loss_value
+        seen += 1
+        if step % cfg.output.log_every == 0 or step == run.max_steps:
+            ips = seen * run.per_rank * run.world / max(time.time() - window, 1e-9)
+            run.writer.log("train", step=step, epoch=epoch, loss=loss_sum / seen, lr=run.lr, images_per_sec=ips)
+            run.progress.update(loss=f"{loss_sum / seen:.4f}", lr=f"{run.lr:.4g}", img_s=f"{ips:.0f}")
+            seen, loss_sum, window = 0, 0.0, time.time()
+        else:
+            run.progress.update()
+        every = cfg.output.checkpoint_every_steps
+        if every and step % every == 0 and step_in_epoch < run.steps_per_epoch:
+            run.save(epoch, step_in_epoch, step)
+        if step >= run.max_steps:
+            break
+    return step_in_epoch
+
+
+def evaluate_model(run: _Run) -> dict[str, Any]:
+    """Top-1 / top-5 / loss over the validation set, each sample counted once."""
+    engine = run.engine
+    return evaluate(engine.eval_model(), run.eval_loader, device=engine.device, process_group=None,
+                    cast=engine.cast_inputs)
+
+
 def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None = None) -> dict[str, Any]:
-    """Run the recipe; returns the last evaluation metrics (and run facts)."""
+    """Run the recipe; returns the last evaluation metrics (and run facts).
+
+    ``dry_run``: build everything (model, engine, conversion), train two steps on synthetic
+    batches and evaluate one; no metrics, checkpoints or resume.
+    """
     rank, world = local_world()
     check_setup(cfg, world, data=not dry_run)
+    if dry_run:
+        cfg = _dry_run_config(cfg)
     per_rank = cfg.per_rank_batch(world)
     if cfg.train.debug:
         import distnorm
 
         distnorm.debug(True)
     init_distributed(cfg)
-    torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
-    model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm="local_bn", activation=None)
-    agree_on_setup(cfg, model, world)
-
-    d = cfg.data
+    model = build_model(cfg, world)
     if dry_run:
         batch = dry_run_batch or per_rank
-        steps_per_epoch = 2
-        train_loader = eval_loader = None
+        train_loader = SyntheticLoader(batch, cfg.data.image_size, cfg.model.num_classes, batches=2)
+        eval_loader = SyntheticLoader(batch, cfg.data.image_size, cfg.model.num_classes, batches=1, for_eval=True)
     else:
-        index = ShardIndex.load(d.train_index)
-        class_sorted = index.class_sorted_shards()
-        if class_sorted and rank == 0:
-            logger.warning(
-                "%d of %d training shards hold only one or two classes (e.g. %s): they were written in class "
-                "order, so batches are not mixed and batch statistics are biased. Rewrite them with "
-                "distnorm-shards, which writes samples in a seeded random order.",
-                len(class_sorted), len(index.shards), class_sorted[:3])
-        train_loader = TrainLoader(
-            d.train_shards, num_samples=index.total, batch_size=per_rank, rank=rank, world_size=world,
-            seed=cfg.train.seed, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
-            shuffle_buffer=d.shuffle_buffer, transform=d.transform, image_size=d.image_size, on_error=d.on_error,
-        )
-        eval_loader = None
-        if d.val_shards:
-            eval_loader = EvalLoader(
-                d.val_shards, index=d.val_index, batch_size=d.eval_batch_size or per_rank, rank=rank,
-                world_size=world, num_workers=d.eval_workers, prefetch_factor=d.prefetch_factor,
-                transform=d.transform, image_size=d.image_size, on_error=d.on_error,
-            )
-        steps_per_epoch = len(train_loader)
+        train_loader, eval_loader = build_loaders(cfg, rank, world, per_rank)
 
-    engine = make_engine(cfg, model, steps_per_epoch)
+    engine = make_engine(cfg, model, len(train_loader))
     run_dir = Path(cfg.output.dir)
-    main = engine.is_main
+    main, outputs = engine.is_main, not dry_run
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.yaml")
-    writer = MetricsWriter(run_dir, enabled=main and not dry_run, tensorboard=cfg.output.tensorboard)
+    writer = MetricsWriter(run_dir, enabled=main and outputs, tensorboard=cfg.output.tensorboard)
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.output.keep_last, main, engine.barrier,
                                     gather=_gather_texts if world > 1 else None)
-    loss_fn = nn.CrossEntropyLoss()
 
     state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
-    if not dry_run:
+    if outputs:
         found = checkpoints.find_resumable()
         _agree_on_resume(found, world)
         if found is not None:
@@ -254,101 +387,42 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
             writer.log("resume", checkpoint=str(directory), **state)
 
     def save(epoch: int, step_in_epoch: int, global_step: int) -> None:
-        if dry_run:
-            return
         snapshot = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step, "world_size": world}
         path = checkpoints.save(global_step, snapshot, engine.save)
         writer.log("checkpoint", step=global_step, epoch=epoch, path=str(path))
 
-    last_eval: dict[str, Any] = {}
-    total_steps = cfg.train.epochs * steps_per_epoch
+    total_steps = cfg.train.epochs * len(train_loader)
     max_steps = min(total_steps, cfg.train.max_steps or total_steps)
-    if dry_run:
-        max_steps = 2
-    global_step = state["global_step"]
-    progress = _Progress(main and cfg.output.progress and not dry_run, max_steps, global_step, cfg.model.name)
-    ckpt_every = cfg.output.checkpoint_every_steps
     monitor = None
-    if cfg.output.monitors and main and not dry_run:
+    if cfg.output.monitors and main and outputs:
         from distnorm.monitors import TheoryMonitor
 
         monitor = TheoryMonitor(engine.plugin.model, every=cfg.output.monitor_every)
+    run = _Run(cfg=cfg, engine=engine, train_loader=train_loader, eval_loader=eval_loader, writer=writer,
+               progress=_Progress(main and cfg.output.progress, max_steps, state["global_step"], cfg.model.name),
+               monitor=monitor, save=save if outputs else (lambda *_: None), world=world, per_rank=per_rank,
+               max_steps=max_steps, global_step=state["global_step"], lr=engine.lr())
+    last_eval: dict[str, Any] = {}
     started = time.time()
     try:
         for epoch in range(state["epoch"], cfg.train.epochs):
-            if global_step >= max_steps:
+            if run.global_step >= max_steps:
                 break
-            skip = state["step_in_epoch"] if epoch == state["epoch"] else 0
-            if dry_run:
-                images = torch.randn(batch, 3, d.image_size, d.image_size)
-                labels = torch.randint(0, cfg.model.num_classes, (batch,))
-                batches = [(images, labels)] * steps_per_epoch
-            else:
-                train_loader.set_epoch(epoch, skip_batches=skip)
-                batches = train_loader
-            engine.model.train()
-            step_in_epoch, seen, loss_sum, window = skip, 0, 0.0, time.time()
-            for images, labels in batches:
-                step_in_epoch += 1
-                images = engine.cast_inputs(images.to(engine.device, non_blocking=True))
-                labels = labels.to(engine.device, non_blocking=True)
-                with _phase("forward", epoch, global_step + 1):
-                    loss = loss_fn(engine.model(images).float(), labels)
-                    loss_value = loss.item()  # the step's one host sync (logging and the NaN check)
-                    finite = _all_finite(loss_value, world, loss.device)
-                if not finite:
-                    if cfg.train.on_nonfinite == "stop":
-                        raise FloatingPointError(
-                            f"non-finite loss at epoch {epoch}, step {global_step + 1} (on at least one rank); "
-                            "set train.debug=true to name the first layer with non-finite statistics, or "
-                            "train.on_nonfinite=skip to skip such steps")
-                    writer.log("skipped_step", step=global_step + 1, epoch=epoch, reason="non-finite loss")
-                    continue
-                with _phase("backward", epoch, global_step + 1):
-                    engine.backward(loss)
-                if monitor is not None:
-                    monitor.after_backward(global_step + 1)
-                lr = engine.lr()
-                with _phase("optimizer step", epoch, global_step + 1):
-                    engine.step()
-                global_step += 1
-                if monitor is not None:
-                    for record in monitor.records(global_step):
-                        writer.log("monitor", epoch=epoch, **record)
-                loss_sum += loss_value
-                seen += 1
-                if global_step % cfg.output.log_every == 0 or global_step == max_steps:
-                    elapsed = max(time.time() - window, 1e-9)
-                    ips = seen * per_rank * world / elapsed
-                    writer.log("train", step=global_step, epoch=epoch, loss=loss_sum / seen, lr=lr, images_per_sec=ips)
-                    progress.update(loss=f"{loss_sum / seen:.4f}", lr=f"{lr:.4g}", img_s=f"{ips:.0f}")
-                    seen, loss_sum, window = 0, 0.0, time.time()
-                else:
-                    progress.update()
-                if ckpt_every and global_step % ckpt_every == 0 and step_in_epoch < steps_per_epoch:
-                    save(epoch, step_in_epoch, global_step)
-                if global_step >= max_steps:
-                    break
-            epoch_done = step_in_epoch >= steps_per_epoch
-            if eval_loader is not None and epoch_done and ((epoch + 1) % cfg.train.eval_every_epochs == 0 or epoch + 1 == cfg.train.epochs):
-                last_eval = evaluate(engine.eval_model(), eval_loader, device=engine.device,
-                                     process_group=None, cast=engine.cast_inputs)
-                writer.log("eval", step=global_step, epoch=epoch + 1, **last_eval)
-            elif dry_run:
-                fake = [(torch.randn(batch, 3, d.image_size, d.image_size), torch.zeros(batch, dtype=torch.long),
-                         torch.ones(batch, dtype=torch.bool), [""] * batch)]
-                last_eval = evaluate(engine.eval_model(), fake, device=engine.device, cast=engine.cast_inputs)
-            if main and epoch_done:
+            done = train_one_epoch(run, epoch, skip=state["step_in_epoch"] if epoch == state["epoch"] else 0)
+            if done < run.steps_per_epoch:
+                break  # max_steps reached mid-epoch
+            if eval_loader is not None and ((epoch + 1) % cfg.train.eval_every_epochs == 0 or epoch + 1 == cfg.train.epochs):
+                last_eval = evaluate_model(run)
+                writer.log("eval", step=run.global_step, epoch=epoch + 1, **last_eval)
+            if main:
                 summary = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in last_eval.items())
-                print(f"epoch {epoch + 1}/{cfg.train.epochs}: lr {lr:.4g}, {summary or 'no evaluation'}", flush=True)
-            if epoch_done:
-                writer.log("epoch", step=global_step, epoch=epoch + 1, lr=lr, seconds=time.time() - started,
-                           **{f"val_{k}": v for k, v in last_eval.items()})
-                save(epoch + 1, 0, global_step)
-            state["step_in_epoch"] = 0
+                print(f"epoch {epoch + 1}/{cfg.train.epochs}: lr {run.lr:.4g}, {summary or 'no evaluation'}", flush=True)
+            writer.log("epoch", step=run.global_step, epoch=epoch + 1, lr=run.lr, seconds=time.time() - started,
+                       **{f"val_{k}": v for k, v in last_eval.items()})
+            run.save(epoch + 1, 0, run.global_step)
     finally:
-        progress.close()
+        run.progress.close()
         writer.close()
-    return {"eval": last_eval, "global_step": global_step, "run_dir": str(run_dir),
-            "checkpoint": str(checkpoints.root / "latest") if not dry_run else None,
+    return {"eval": last_eval, "global_step": run.global_step, "run_dir": str(run_dir),
+            "checkpoint": str(checkpoints.root / "latest") if outputs else None,
             "world_size": world, "per_rank_batch": per_rank}

@@ -1,0 +1,270 @@
+"""One typed, frozen specification per normalization and for BNP: the single owner of every
+hyper-parameter's default, validation and documentation.
+
+Everything else is derived from these classes: the layers' keyword defaults
+(``CBN(rho=CBNSpec.rho)``), the keywords :func:`distnorm.convert` accepts, the nested
+sections of :class:`distnorm.DistNormConfig` and, from those, its command-line flags
+(``--distnorm-cbn-rho``), ``DISTNORM_*`` variables (``DISTNORM_CBN_RHO``) and YAML keys
+(``distnorm: {cbn: {rho: 2.0}}``). Adding a parameter is adding one field here and using it
+in the layer.
+
+Momentum names say which way they point, as in the libraries they come from:
+``momentum`` is PyTorch BatchNorm's weight of the *new* batch in the running statistics
+(0.1); BNP's ``decay`` is the weight of the *history* in its running moments (0.99, the
+``rho`` of paper 004; ``distnorm.bnp.attach(momentum=...)`` keeps the paper's name).
+
+Example:
+    >>> import distnorm
+    >>> from distnorm.specs import CBNSpec
+    >>> spec = CBNSpec(rho=2.0, omega=5.0)
+    >>> spec.build(16)
+    CBN(16, rho=2.0, amat=True, omega=5.0, eps=1e-05, momentum=0.1, eval_stats='auto', sync=True)
+    >>> CBNSpec(r_max=0.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: CBN: r_max must be >= 1 (ratios are clamped to [1/r_max, r_max]), got 0.5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar
+
+__all__ = ["CBNSpec", "POPNormSpec", "SyncBNSpec", "GNSpec", "BNPSpec", "NORM_SPECS", "EVAL_STATS", "spec_fields"]
+
+#: What CBN evaluates with: the AMAT averages, the running statistics, or "auto" (AMAT while
+#: eta > 0 was in force, else the running statistics; SPEC §2).
+EVAL_STATS = ("auto", "amat", "running")
+
+
+# ------------------------------------------------------------------------ checks
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive(value: Any) -> str | None:
+    return None if _number(value) and value > 0 else "must be a positive finite number"
+
+
+def non_negative(value: Any) -> str | None:
+    return None if _number(value) and value >= 0 else "must be a finite number >= 0"
+
+
+def new_batch_weight(value: Any) -> str | None:
+    if value is None or (_number(value) and 0.0 <= value <= 1.0):
+        return None
+    return "must be in [0, 1] or None (cumulative average)"
+
+
+def history_weight(value: Any) -> str | None:
+    return None if _number(value) and 0.0 <= value < 1.0 else "must be in [0, 1)"
+
+
+def ratio_clamp(value: Any) -> str | None:
+    return None if _number(value) and value >= 1.0 else "must be >= 1 (ratios are clamped to [1/r_max, r_max])"
+
+
+def boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def optional_positive_int(value: Any) -> str | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return None
+    return "must be an int >= 1 or None"
+
+
+def positive_int(value: Any) -> str | None:
+    return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be an int >= 1"
+
+
+def one_of(*choices: Any) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if value in choices else f"must be one of {choices}"
+
+    return check
+
+
+def param(default: Any, help: str, check: Callable[[Any], str | None] | None = None, **extra: Any) -> Any:
+    """A spec field: its default, its ``--help`` text and its check (``None`` if valid, else
+    the reason)."""
+    return field(default=default, metadata={"help": help, "check": check, **extra})
+
+
+def spec_fields(spec: type["_Spec"] | "_Spec") -> tuple[dataclasses.Field, ...]:
+    """The hyper-parameters of a spec class (what the front ends expose)."""
+    return fields(spec)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Validation and small conveniences shared by the specs."""
+
+    label: ClassVar[str]  # how errors name the layer ("CBN", "BNP", ...)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check = f.metadata.get("check")
+            value = getattr(self, f.name)
+            reason = check(value) if check is not None else None
+            if reason:
+                raise ValueError(f"{self.label}: {f.name} {reason}, got {value!r}")
+        self._check_together()
+
+    def _check_together(self) -> None:
+        """Constraints between fields (subclasses)."""
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments of the layer (or of ``bnp.attach``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def replace(self, **changes: Any) -> "_Spec":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, where: str, **values: Any) -> "_Spec":
+        """``cls(**values)``, with an unknown keyword reported as a ``ValueError`` naming
+        ``where`` and the accepted ones."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"{where}: unknown keyword(s) {unknown}; accepted: {sorted(known)}")
+        return cls(**values)
+
+
+# ----------------------------------------------------------------- normalizations
+@dataclass(frozen=True)
+class CBNSpec(_Spec):
+    """Complete batch normalization with AMAT (paper 002, SPEC §1-§2)."""
+
+    label: ClassVar[str] = "CBN"
+    rho: float = param(1.0, "normalization magnitude rho: y = gamma / rho * x1 / rms(x1)", positive)
+    amat: bool = param(True, "adaptive moving averages of the statistics (AMAT)", boolean)
+    omega: float = param(10.0, "AMAT: eta = clip(1 - omega * lr, 0, 1), the weight of the history", non_negative)
+    eps: float = param(1e-5, "added to the mean square before the square root", positive)
+    momentum: float | None = param(0.1, "running statistics: weight of the new batch (None: cumulative average)",
+                                   new_batch_weight)
+    r_max: float = param(3.0, "AMAT: clamp of the stop-gradient ratios to [1/r_max, r_max]", ratio_clamp)
+    eval_stats: str | None = param(None, "evaluate with 'amat', 'running' or 'auto' (default: auto with AMAT, "
+                                         "else running)", one_of(None, *EVAL_STATS), choices=EVAL_STATS)
+    sync: bool = param(True, "all-reduce the statistics across ranks", boolean)
+
+    def build(self, num_features: int, process_group: Any = None) -> Any:
+        from distnorm.layers import CBN
+
+        return CBN(num_features, process_group=process_group, **self.kwargs())
+
+
+@dataclass(frozen=True)
+class POPNormSpec(_Spec):
+    """POP-Norm (papers 000/001): CBN without moving averages, magnitude kappa."""
+
+    label: ClassVar[str] = "POPNorm"
+    kappa: float = param(4.0, "normalization magnitude kappa", positive)
+    eps: float = param(1e-5, "added to the mean square before the square root", positive)
+    momentum: float | None = param(0.1, "running statistics: weight of the new batch (None: cumulative average)",
+                                   new_batch_weight)
+    sync: bool = param(True, "all-reduce the statistics across ranks", boolean)
+
+    def build(self, num_features: int, process_group: Any = None) -> Any:
+        from distnorm.layers import POPNorm
+
+        return POPNorm(num_features, process_group=process_group, **self.kwargs())
+
+
+def optional_positive(value: Any) -> str | None:
+    return None if value is None else positive(value)
+
+
+def optional_new_batch_weight(value: Any) -> str | None:
+    return None if value is None else new_batch_weight(value)
+
+
+@dataclass(frozen=True)
+class SyncBNSpec(_Spec):
+    """Synchronized BatchNorm (``torch.nn.BatchNorm*`` over the global batch). Converting a
+    BatchNorm keeps its parameters, buffers, ``eps`` and ``momentum`` unless given here."""
+
+    label: ClassVar[str] = "SyncBatchNorm"
+    eps: float | None = param(None, "added to the variance (default: the replaced BatchNorm's; 1e-5 for a new layer)",
+                              optional_positive)
+    momentum: float | None = param(None, "running statistics: weight of the new batch (default: the replaced "
+                                         "BatchNorm's; 0.1 for a new layer)", optional_new_batch_weight)
+
+    def build(self, num_features: int, process_group: Any = None) -> Any:
+        from distnorm.layers import SyncBatchNorm
+
+        given = {k: v for k, v in self.kwargs().items() if v is not None}
+        return SyncBatchNorm(num_features, process_group=process_group, **given)
+
+
+@dataclass(frozen=True)
+class GNSpec(_Spec):
+    """GroupNorm, for BNP + GN (paper 004): ``num_groups`` groups, or ``group_size`` channels
+    per group; either is reduced to the largest divisor of the channel count not above it."""
+
+    label: ClassVar[str] = "GroupNorm"
+    num_groups: int | None = param(None, "number of groups (default 32 when group_size is not given)",
+                                   optional_positive_int)
+    group_size: int | None = param(None, "channels per group (instead of num_groups)", optional_positive_int)
+    eps: float | None = param(None, "added to the variance (default: the replaced BatchNorm's; 1e-5 for a new layer)",
+                              optional_positive)
+
+    def _check_together(self) -> None:
+        if self.num_groups is not None and self.group_size is not None:
+            raise ValueError("GroupNorm: give num_groups or group_size, not both")
+
+    def groups_for(self, channels: int) -> int:
+        """The group count for a layer of ``channels`` channels."""
+        wanted = max(channels // self.group_size, 1) if self.group_size is not None else (self.num_groups or 32)
+        return max(g for g in range(1, min(wanted, channels) + 1) if channels % g == 0)
+
+    def build(self, num_features: int, process_group: Any = None) -> Any:
+        from torch import nn
+
+        return nn.GroupNorm(self.groups_for(num_features), num_features, eps=1e-5 if self.eps is None else self.eps)
+
+
+#: ``convert(norm=...)`` names of the specs.
+NORM_SPECS: dict[str, type[_Spec]] = {"cbn": CBNSpec, "popnorm": POPNormSpec, "bn": SyncBNSpec, "gn": GNSpec}
+
+
+# ------------------------------------------------------------------------------ BNP
+def _patterns(value: Any) -> str | None:
+    if isinstance(value, tuple) and all(isinstance(p, str) for p in value):
+        return None
+    return "must be a tuple of module-name patterns"
+
+
+@dataclass(frozen=True)
+class BNPSpec(_Spec):
+    """Batch normalization preconditioning (paper 004): gradients of dense / conv layers
+    preconditioned with running moments of their inputs."""
+
+    label: ClassVar[str] = "BNP"
+    decay: float = param(0.99, "running moments: weight of the history (the paper's rho)", history_weight)
+    eps1: float = param(1e-2, "var_t = var + eps1 * max(var) + eps2 (relative floor)", non_negative)
+    eps2: float = param(1e-4, "var_t = var + eps1 * max(var) + eps2 (absolute floor)", non_negative)
+    add_bias: bool = param(True, "give bias-free layers a zero bias, so the centring part applies", boolean)
+    exclude: tuple[str, ...] = param((), "module name patterns to leave alone (comma separated on the command line)",
+                                     _patterns)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.exclude, str):
+            object.__setattr__(self, "exclude", tuple(p.strip() for p in self.exclude.split(",") if p.strip()))
+        elif isinstance(self.exclude, list):
+            object.__setattr__(self, "exclude", tuple(self.exclude))
+        super().__post_init__()
+
+    def _check_together(self) -> None:
+        if self.eps1 == 0 and self.eps2 == 0:
+            raise ValueError("BNP: eps1 and eps2 cannot both be 0 (var_t could be 0 and divide by zero)")
+
+    def attach(self, model: Any, process_group: Any = None) -> Any:
+        """``distnorm.bnp.attach`` with these hyper-parameters."""
+        from distnorm import bnp
+
+        return bnp.attach(model, momentum=self.decay, eps1=self.eps1, eps2=self.eps2, add_bias=self.add_bias,
+                          exclude=self.exclude, process_group=process_group)
