@@ -14,14 +14,16 @@ rank; ``sync=False`` forces local statistics.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 
 from distnorm import _collectives, _ops
 from distnorm._collectives import ProcessGroup
 from distnorm._functions import NormalizeFunction, NormState, bnp_precondition, channel_affine
-from distnorm.specs import EVAL_STATS  # accepted values of CBN's eval_stats (SPEC §1, Eval mode)
+from distnorm.specs import EVAL_STATS, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
-__all__ = ["amat_eta", "bnp_precondition", "cbn", "cbn_inference", "pop_norm", "sync_batch_norm"]
+__all__ = ["CBNBuffers", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "pop_norm", "sync_batch_norm"]
 
 
 def amat_eta(lr: float, omega: float) -> float:
@@ -114,26 +116,36 @@ def sync_batch_norm(
     return normalize(x, weight, bias, state, stats)
 
 
+class CBNBuffers(NamedTuple):
+    """The statistics a CBN / POP-Norm layer keeps (its buffers), updated in place by a
+    training call. ``CBNBuffers.fresh(c)`` gives new ones for ``c`` channels."""
+
+    amat_mean: torch.Tensor
+    amat_var: torch.Tensor
+    amat_initialized: torch.Tensor
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
+    @classmethod
+    def fresh(cls, channels: int, *, dtype: torch.dtype = torch.float32, device: Any = None) -> "CBNBuffers":
+        def vec(value: float) -> torch.Tensor:
+            return torch.full((channels,), value, dtype=dtype, device=device)
+
+        return cls(vec(0.0), vec(1.0), torch.tensor(False, device=device), vec(0.0), vec(1.0),
+                   torch.tensor(0, dtype=torch.long, device=device))
+
+
 def cbn(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
-    amat_mean: torch.Tensor,
-    amat_var: torch.Tensor,
-    amat_initialized: torch.Tensor,
-    running_mean: torch.Tensor,
-    running_var: torch.Tensor,
-    num_batches_tracked: torch.Tensor,
+    buffers: CBNBuffers,
     *,
     training: bool = True,
     eta: float | torch.Tensor = 0.0,
-    rho: float = 1.0,
-    eps: float = 1e-5,
-    momentum: float | None = 0.1,
-    r_max: float = 3.0,
-    eval_stats: str = "amat",
+    spec: CBNSpec = CBNSpec(),
     process_group: ProcessGroup | None = None,
-    sync: bool = True,
     layer: str = "cbn",
 ) -> torch.Tensor:
     """Complete batch normalization with AMAT (paper 002; SPEC §1).
@@ -147,26 +159,29 @@ def cbn(
     ``y = (gamma/rho) * (x - mu_A + beta) / sqrt(var_A + eps)``; with ``"running"``:
     ``y = (gamma/rho) * (x - running_mean + beta) / sqrt(running_var + beta^2 + eps)``.
 
+    The hyper-parameters are those of :class:`distnorm.specs.CBNSpec` (``amat`` and
+    ``omega`` are the layer's business: here ``eta`` is given). Evaluation uses
+    ``spec.eval_stats`` (``None``: ``"amat"``).
+
     Example:
-        >>> c = 3
-        >>> state = [torch.zeros(c), torch.ones(c), torch.tensor(False),
-        ...          torch.zeros(c), torch.ones(c), torch.tensor(0)]
-        >>> y = cbn(torch.randn(8, c), torch.ones(c), torch.zeros(c), *state, eta=0.5)
-        >>> y.shape
-        torch.Size([8, 3])
+        >>> from distnorm.specs import CBNSpec
+        >>> buffers = CBNBuffers.fresh(3)
+        >>> y = cbn(torch.randn(8, 3), torch.ones(3), torch.zeros(3), buffers, eta=0.5, spec=CBNSpec(rho=2.0))
+        >>> y.shape, int(buffers.num_batches_tracked)
+        (torch.Size([8, 3]), 1)
     """
     _check_input(x, weight.shape[0], layer)
-    eta_t = eta if isinstance(eta, torch.Tensor) else torch.tensor(float(eta), dtype=amat_mean.dtype, device=x.device)
+    b = buffers
+    eta_t = eta if isinstance(eta, torch.Tensor) else torch.tensor(float(eta), dtype=b.amat_mean.dtype, device=x.device)
     if not training:
-        return cbn_inference(x, weight, bias, amat_mean, amat_var, eta_t, running_mean, running_var,
-                             num_batches_tracked, rho=rho, eps=eps, momentum=momentum, eval_stats=eval_stats,
-                             layer=layer)
+        return cbn_inference(x, weight, bias, b.amat_mean, b.amat_var, eta_t, b.running_mean, b.running_var,
+                             b.num_batches_tracked, rho=spec.rho, eps=spec.eps, momentum=spec.momentum,
+                             eval_stats=spec.eval_stats or "amat", layer=layer)
     history = bool(eta_t > 0) if isinstance(eta, torch.Tensor) else eta > 0
-    state = NormState("cbn", layer, eps, momentum, rho=rho, r_max=r_max, process_group=process_group, sync=sync,
-                      history=history)
+    state = NormState("cbn", layer, spec.eps, spec.momentum, rho=float(spec.rho), r_max=float(spec.r_max),
+                      process_group=process_group, sync=spec.sync, history=history)
     stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
-        xd, no_grad_input(weight), no_grad_input(bias), amat_mean, amat_var, amat_initialized, running_mean, running_var,
-        num_batches_tracked, eta_t, state)
+        xd, no_grad_input(weight), no_grad_input(bias), *b, eta_t, state)
     return normalize(x, weight, bias, state, stats)
 
 
@@ -221,28 +236,25 @@ def pop_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
-    amat_mean: torch.Tensor,
-    amat_var: torch.Tensor,
-    amat_initialized: torch.Tensor,
     running_mean: torch.Tensor,
     running_var: torch.Tensor,
     num_batches_tracked: torch.Tensor,
     *,
     training: bool = True,
-    kappa: float = 4.0,
-    eps: float = 1e-5,
-    momentum: float | None = 0.1,
-    eval_stats: str = "running",
+    spec: POPNormSpec = POPNormSpec(),
     process_group: ProcessGroup | None = None,
-    sync: bool = True,
     layer: str = "pop_norm",
 ) -> torch.Tensor:
     """POP-Norm (papers 000/001; SPEC §2): CBN without AMAT and with ``rho = kappa``.
 
-    ``y = (gamma/kappa) * (x - mu_B + beta) / sqrt(mean((x - mu_B + beta)^2) + eps)``.
+    ``y = (gamma/kappa) * (x - mu_B + beta) / sqrt(mean((x - mu_B + beta)^2) + eps)``;
+    evaluation uses the running statistics.
     """
-    return cbn(
-        x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
-        num_batches_tracked, training=training, eta=0.0, rho=kappa, eps=eps, momentum=momentum,
-        eval_stats=eval_stats, process_group=process_group, sync=sync, layer=layer,
-    )
+    c = weight.shape[0]
+    unused = CBNBuffers.fresh(c, dtype=running_mean.dtype, device=running_mean.device)  # no AMAT history
+    buffers = unused._replace(running_mean=running_mean, running_var=running_var,
+                              num_batches_tracked=num_batches_tracked)
+    as_cbn = CBNSpec(rho=spec.kappa, amat=False, omega=0.0, eps=spec.eps, momentum=spec.momentum, r_max=1.0,
+                     eval_stats="running", sync=spec.sync)
+    return cbn(x, weight, bias, buffers, training=training, eta=0.0, spec=as_cbn, process_group=process_group,
+               layer=layer)

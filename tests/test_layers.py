@@ -11,6 +11,7 @@ from torch import nn
 
 import distnorm
 from distnorm import functional as F
+from distnorm.specs import CBNSpec
 from tests import reference as ref
 
 SHAPES = [(16, 3), (8, 3, 5), (4, 3, 4, 5), (2, 3, 2, 3, 4)]
@@ -26,10 +27,11 @@ def _cbn_state(module: distnorm.layers._CompleteNorm) -> list[torch.Tensor]:
             module.running_mean, module.running_var, module.num_batches_tracked]
 
 
-def _frozen_cbn(module, **kw):
+def _frozen_cbn(module, *, eta: float, rho: float = 1.0):
     """CBN as a pure function of (x, gamma, beta): buffers are copied at every call."""
     state = [t.clone() for t in _cbn_state(module)]
-    return lambda x, g, b: F.cbn(x, g, b, *[t.clone() for t in state], **kw)
+    spec = CBNSpec(rho=rho)
+    return lambda x, g, b: F.cbn(x, g, b, F.CBNBuffers(*[t.clone() for t in state]), eta=eta, spec=spec)
 
 
 # --------------------------------------------------------------------------- gradcheck
