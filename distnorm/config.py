@@ -182,8 +182,6 @@ class DistNormConfig:
             else:
                 nested[name] = value
         bnp_on = nested.pop("bnp", None)
-        if "bnp" in sections and bnp_on is False:
-            raise ValueError(f"distnorm {where}: BNP options {sorted(sections['bnp'])} given while BNP is off")
         if bnp_on and "bnp" not in sections:
             sections["bnp"] = {}
         for section, given in sections.items():

@@ -250,10 +250,10 @@ def pop_norm(
     ``y = (gamma/kappa) * (x - mu_B + beta) / sqrt(mean((x - mu_B + beta)^2) + eps)``;
     evaluation uses the running statistics.
     """
-    c = weight.shape[0]
-    unused = CBNBuffers.fresh(c, dtype=running_mean.dtype, device=running_mean.device)  # no AMAT history
-    buffers = unused._replace(running_mean=running_mean, running_var=running_var,
-                              num_batches_tracked=num_batches_tracked)
+    # No AMAT history: throwaway AMAT buffers (eta = 0 only initialises them).
+    like = running_mean
+    buffers = CBNBuffers(torch.zeros_like(like), torch.ones_like(like), torch.tensor(False, device=like.device),
+                         running_mean, running_var, num_batches_tracked)
     as_cbn = CBNSpec(rho=spec.kappa, amat=False, omega=0.0, eps=spec.eps, momentum=spec.momentum, r_max=1.0,
                      eval_stats="running", sync=spec.sync)
     return cbn(x, weight, bias, buffers, training=training, eta=0.0, spec=as_cbn, process_group=process_group,

@@ -366,6 +366,8 @@ class SyncBatchNorm(_DistNormLayer):
     ) -> None:
         super().__init__()
         _check_num_features("SyncBatchNorm", num_features)
+        if eps is None:  # the spec's None means "the replaced BatchNorm's"; a layer needs a value
+            raise ValueError("SyncBatchNorm: eps must be a positive finite number, got None")
         SyncBNSpec(eps=eps, momentum=momentum)  # validates
         if momentum is None and not track_running_stats:
             momentum = 0.0  # unused

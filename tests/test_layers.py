@@ -371,6 +371,7 @@ def test_bad_inputs_raise_clear_errors(make):
         (lambda: distnorm.CBN(4, eval_stats="batch"), "eval_stats"),
         (lambda: distnorm.CBN(4, momentum=2.0), "momentum"),
         (lambda: distnorm.SyncBatchNorm(4, eps=0), "eps"),
+        (lambda: distnorm.SyncBatchNorm(4, eps=None), "SyncBatchNorm: eps must be a positive"),
     ],
 )
 def test_bad_hyperparameters(make, match):
