@@ -76,16 +76,102 @@ def test_torchrun_sh_two_jobs_on_one_host_do_not_collide(digits, tmp_path):
 # ------------------------------------------------------------------------ deepspeed.sh
 @pytest.mark.timeout(600)
 @pytest.mark.world_size(2)
-def test_deepspeed_sh_runs_two_cpu_ranks(digits, tmp_path):
-    """Bug caught: the DeepSpeed runner passes --local_rank=N, which distnorm-train rejected."""
+def test_deepspeed_sh_one_host_hostfile_runs_two_cpu_ranks(digits, tmp_path):
+    """The real DeepSpeed runner with a one-host hostfile (2 slots, a comment and a blank
+    line): it starts its local launcher, so the shard pattern must reach the workers as
+    written. Bugs caught: deepspeed.sh escaped the arguments whenever HOSTFILE was set (the
+    workers got `digits-train-\\{000000..000005\\}.tar`, "1 shard(s) missing"); the runner's
+    --local_rank=N was rejected by distnorm-train. The command built without a hostfile and
+    with two hosts: test_deepspeed_sh_decides_by_the_number_of_hosts; two real hosts:
+    tests/test_cluster.py."""
     run = tmp_path / "ds"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# one host, two CPU processes\n\nlocalhost slots=2\n")
+    # The runner checks passwordless ssh to the first host of any hostfile (runner.py l.483),
+    # then starts the local launcher: a stand-in ssh that runs the command here.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text('#!/bin/sh\nwhile [ "$1" = -o ] || [ "$1" = -p ]; do shift 2; done\nshift\nexec "$@"\n')
+    (bin_dir / "ssh").chmod(0o755)
+    env = _env(HOSTFILE=str(hostfile), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     proc = _run([str(REPO / "launch" / "deepspeed.sh"), str(DEMO), *_common(digits, run), "train.engine=deepspeed",
-                 "train.deepspeed_config=configs/deepspeed/zero2_fp32.json", "train.cpu=true"],
-                env=_env(NUM_GPUS="2", MASTER_PORT=str(free_port())))
+                 "train.deepspeed_config=configs/deepspeed/zero2_fp32.json", "train.cpu=true"], env=env)
     assert proc.stdout.count("exits successfully") + proc.stderr.count("exits successfully") == 2
     manifest = _manifest(run)
     assert manifest["state"]["world_size"] == 2 and len(_losses(run)) == 4
     assert any("zero_pp_rank_1" in f for f in manifest["files"])  # rank 1's ZeRO shard: a real second rank
+
+
+_SHARDS = "data.train_shards=d/train-{000000..000005}.tar"
+_HOSTFILES = {
+    "one host, comments, blank lines": "# cluster A\n\n   node1 slots=4   # the only one\n# node2 slots=4\n",
+    "two hosts": "node1 slots=2\nnode2\tslots=3\n",
+    "two hosts, comments": "# head\nnode1 slots=1\n\n# worker\nnode2 slots=1 extra words\n",
+}
+
+
+@pytest.mark.parametrize("hostfile_text", list(_HOSTFILES.values()), ids=list(_HOSTFILES))
+@pytest.mark.parametrize("num_gpus", [None, 2])
+def test_deepspeed_sh_decides_by_the_number_of_hosts(tmp_path, hostfile_text, num_gpus):
+    """What deepspeed.sh hands the runner, against DeepSpeed's own parsing of the same
+    hostfile: arguments escaped for pdsh's remote shell exactly when more than one host
+    remains (runner.py: multi-node iff len(active_resources) > 1), left as written for one
+    host; --check told the world size the runner will start. Stand-ins for python and the
+    runner record their arguments (no training, milliseconds).
+    Bugs caught: escaping whenever HOSTFILE is set; counting `slots=` in comment lines; a
+    hostfile with NUM_GPUS counted as its slots."""
+    runner = pytest.importorskip("deepspeed.launcher.runner")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(hostfile_text)
+    pool = runner._parse_hostfile(hostfile_text.splitlines())
+    active = runner.apply_num_nodes_and_gpus(runner.parse_inclusion_exclusion(pool, "", ""), -1, num_gpus or -1)
+    several, world = len(active) > 1, sum(len(slots) for slots in active.values())
+
+    check, launched = _deepspeed_sh(tmp_path, {"HOSTFILE": str(hostfile), **({"NUM_GPUS": str(num_gpus)} if num_gpus else {})})
+    assert check[check.index("--world-size") + 1] == str(world)
+    assert launched[launched.index("--hostfile") + 1] == str(hostfile)
+    shards, spaced = launched[-2:]
+    assert shards == (r"data.train_shards=d/train-\{000000..000005\}.tar" if several else _SHARDS)
+    assert spaced == "output.dir=a b"  # the runner double-quotes arguments with a space itself
+
+
+
+def _deepspeed_sh(tmp_path: Path, env: dict[str, str]) -> tuple[list[str], list[str]]:
+    """Run launch/deepspeed.sh with stand-ins for PYTHON and the runner beside it; return
+    the arguments of the --check call and of the runner."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("python", "deepspeed"):
+        (bin_dir / name).write_text(f"#!/bin/sh\nprintf '%s\\0' \"$@\" > \"$(dirname \"$0\")/{name}.args\"\n")
+        (bin_dir / name).chmod(0o755)
+    proc = subprocess.run([str(REPO / "launch" / "deepspeed.sh"), "cfg.yaml", _SHARDS, "output.dir=a b"], cwd=REPO,
+                          env={**_env(), "PYTHON": str(bin_dir / "python"), **env}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [(bin_dir / f"{name}.args").read_text().split("\0")[:-1] for name in ("python", "deepspeed")]
+
+
+def test_deepspeed_sh_without_a_hostfile_and_bad_hostfiles(tmp_path):
+    """No HOSTFILE (and no /job/hostfile, DeepSpeed's default): this node, arguments as
+    written. A hostfile DeepSpeed would refuse (a line without slots=, a host twice, no
+    host) or a missing one is refused before --check, naming the problem."""
+    if Path("/job/hostfile").exists():
+        pytest.skip("/job/hostfile exists: the DeepSpeed runner (and deepspeed.sh) would use it")
+    check, launched = _deepspeed_sh(tmp_path, {"NUM_GPUS": "3"})
+    assert check[check.index("--world-size") + 1] == "3"
+    assert "--hostfile" not in launched and launched[-2:] == [_SHARDS, "output.dir=a b"]
+    for text, message in [("node1 slot=2\n", 'line "node1 slot=2" is not "HOST slots=N"'),
+                          ("node1 slots=2\nnode1 slots=1\n", "host node1 is listed twice"),
+                          ("# nothing\n\n", "it lists no host"), (None, "does not exist")]:
+        hostfile = tmp_path / "hostfile"
+        hostfile.unlink(missing_ok=True)
+        if text is not None:
+            hostfile.write_text(text)
+        proc = subprocess.run([str(REPO / "launch" / "deepspeed.sh"), "cfg.yaml"], cwd=REPO, capture_output=True,
+                              text=True, timeout=60, env={**_env(), "HOSTFILE": str(hostfile),
+                                                          "PYTHON": str(tmp_path / "bin" / "python")})
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
 # ---------------------------------------------------------------------- accelerate launch
