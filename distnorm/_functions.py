@@ -35,7 +35,12 @@ CBN (SPEC §1.1, with ``T = S2 / s_u``): ``a = gamma / (rho * s_u)``, ``q = r_si
 
 Kernel contracts. The CUDA kernels of the batch-norm family demand more than their CPU
 twins; every call below gives them what CUDA needs, on every device, and
-``tests/test_kernel_contracts.py`` checks each dispatched call on the CPU:
+``tests/test_kernel_contracts.py`` checks each dispatched call on the CPU
+(:class:`tests.dispatch.CudaContractChecker` cites the CUDA source line of each rule):
+
+* no empty input: the CUDA templates reshape ``x`` to ``(N, C, -1)``, which raises for
+  ``N = 0`` (the CPU kernels return early), so a rank without samples computes its empty
+  output and gradient without a kernel and still joins both collectives;
 
 * per-channel arguments are 1-D, contiguous, of length ``C`` and of the accumulation dtype
   (CUDA's ``is_mixed_type`` takes the dtype of the first defined parameter; the CPU kernel
@@ -358,6 +363,12 @@ def channel_affine(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) ->
     is exactly 1): one fused pass that computes in float32 for fp16/bf16 inputs.
     ``scale`` / ``shift`` must have the accumulation dtype of ``x`` (kernel contract).
     """
+    if x.numel() == 0:
+        # Kernel contract (Normalization.cuh, batch_norm_elemt_cuda_template): CUDA reshapes
+        # the input to (N, C, -1), which raises for an empty batch. Element-wise ops accept
+        # it on every device, and keep the result connected to scale and shift (zero
+        # gradients, not None), as at::batch_norm does for empty inputs.
+        return (x * _view(scale, x.dim()) + _view(shift, x.dim())).to(x.dtype)
     channels = scale.shape[0]
     zero = constant(0.0, channels, scale.dtype, scale.device)
     one = constant(1.0, channels, scale.dtype, scale.device)
@@ -373,6 +384,8 @@ def forward_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
     ``native_batch_norm`` directly (not ``torch.batch_norm``, which may pick cuDNN) runs the
     same native kernel family on CPU and CUDA.
     """
+    if x.numel() == 0:  # a rank without samples (kernel contract: no empty input, see channel_affine)
+        return torch.empty_like(x)
     acc = center.dtype
     if state.kind == "bn":
         scale, shift = _acc(weight, acc), _acc(bias, acc)
@@ -400,7 +413,8 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
         _, t_local, s1_local = torch.ops.aten.native_batch_norm_backward(
             grad_out, x, invstd, None, None, center, invstd, True, state.eps, [False, True, True])
     else:  # an empty rank contributes nothing but still joins the collective below
-        t_local = s1_local = constant(0.0, channels, center.dtype, center.device)
+        # (kernel contract: no empty input; fresh zeros, since they become gradients)
+        t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()
 
     sums = torch.stack([s1_local, t_local])
     if state.kind == "bn":

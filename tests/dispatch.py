@@ -6,7 +6,8 @@
   a call the CPU accepts but CUDA would reject is a violation.
 * :class:`OpCounter` — counts dispatched ATen ops (each is a kernel launch, a view or an
   autograd bookkeeping op on a GPU) and host synchronisations (``.item()``,
-  ``bool(tensor)``, ``.tolist()`` all dispatch ``_local_scalar_dense``).
+  ``bool(tensor)``, ``.tolist()`` all dispatch ``_local_scalar_dense``; ``torch.tensor(v,
+  device=...)`` dispatches ``lift_fresh`` before its host-to-device copy).
 * :class:`CollectiveCounter` — every ``torch.distributed`` collective this process issues.
   Every collective, whatever the Python entry point (``all_reduce``, ``broadcast``,
   ``all_gather``, ``reduce_scatter``, ``barrier``, the ``*_object`` collectives, a
@@ -25,8 +26,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 
-#: Host synchronisations: reading a device value on the host.
-HOST_SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default}
+#: Host synchronisations: reading a device value on the host (``.item()``, ``bool(t)``,
+#: ``.tolist()``), or making a tensor from a Python value: ``torch.tensor(v, device="cuda")``
+#: (and ``torch.as_tensor``) dispatches ``lift_fresh`` on a CPU tensor that is then copied to
+#: the device, a host-to-device copy from pageable memory the host waits for. On the CPU
+#: the copy is invisible, so the ``lift_fresh`` itself is counted. ``torch.full`` /
+#: ``torch.zeros`` with a Python value launch a fill kernel instead: no sync.
+HOST_SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default,
+             aten.lift_fresh.default, aten.lift_fresh_copy.default}
 
 #: Batch-norm kernels that exist only on CUDA: a same-path layer never calls them.
 CUDA_ONLY = {
@@ -43,7 +50,33 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 class CudaContractChecker(TorchDispatchMode):
     """Record every batch-norm-family call whose arguments the CUDA kernel would reject.
 
-    ``violations`` lists ``(op, reason)``; ``calls`` counts the checked calls per op.
+    ``violations`` lists ``(op, reason)``; ``calls`` counts the checked calls per op. Each
+    rule names the line of PyTorch's CUDA source (``aten/src/ATen/native/cuda/
+    Normalization.cu`` / ``Normalization.cuh``) it stands for:
+
+    * **no empty input** to ``native_batch_norm``, ``native_batch_norm_backward`` or
+      ``batch_norm_update_stats``: the CUDA templates (``batch_norm_stats_cuda_template``,
+      ``batch_norm_elemt_cuda_template``, ``batch_norm_backward_cuda_template``) start with
+      ``input_.reshape({input_.size(0), input_.size(1), -1})``, which raises for N = 0
+      ("cannot reshape tensor of 0 elements"). The CPU kernels return early, so every CPU
+      test passes: only ``torch.batch_norm`` (``at::batch_norm``: ``if (input.sym_numel()
+      == 0)``) guards it on both devices.
+    * **per-channel arguments** 1-D, contiguous, of length C and of the accumulation dtype
+      (``batch_norm_elementwise``'s channels-last branch needs contiguous ones; the
+      mixed-precision dispatch ``is_mixed_type`` takes the dtype of the first defined one).
+    * **running mean / var given in pairs**, in training too (``batch_norm_cuda_out``:
+      ``TORCH_CHECK(has_running_mean == has_running_var)``; ``batch_norm_update_stats_cuda``
+      likewise).
+    * backward: ``save_mean`` / ``save_invstd`` defined (``batch_norm_backward_cuda``:
+      ``TORCH_INTERNAL_ASSERT(save_mean->defined(), "save_mean should always be
+      defined")``); a defined weight when weight / bias gradients are requested
+      (``batch_norm_backward_reduce_cuda`` takes their options from it); ``grad_out`` of the
+      input's dtype and shape (the fused ``batch_norm_backward_cuda_template`` reads both
+      through accessors of one ``input_scalar_t``); and **weight, running mean and running
+      var of one dtype**, the input's or the accumulation dtype: the fused branch
+      (``needs_reduction && grad_input_mask[0] && !batch_norm_use_channels_last_kernels``)
+      reads all three through accessors of the ``stat_scalar_t`` that ``is_mixed_type``
+      chose from the first defined one.
     """
 
     def __init__(self) -> None:
@@ -66,6 +99,16 @@ class CudaContractChecker(TorchDispatchMode):
         if t.dtype != dtype:
             self._fail(op, f"{name} has dtype {t.dtype}, expected the accumulation dtype {dtype}")
 
+    def _input(self, op: Any, x: torch.Tensor) -> None:
+        if x.numel() == 0:
+            self._fail(op, f"empty input of shape {tuple(x.shape)}: CUDA reshapes it to (N, C, -1) and raises")
+        if not 2 <= x.dim() <= 5:
+            self._fail(op, f"input of {x.dim()} dims")
+
+    def _pair(self, op: Any, rmean: torch.Tensor | None, rvar: torch.Tensor | None) -> None:
+        if (rmean is None) != (rvar is None):
+            self._fail(op, "running_mean and running_var must both be given or both be None")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in CUDA_ONLY:
@@ -74,6 +117,8 @@ class CudaContractChecker(TorchDispatchMode):
             self.calls[str(func)] += 1
             x, weight, bias, rmean, rvar, training, _, eps = args
             acc, c = _acc(x.dtype), x.shape[1]
+            self._input(func, x)
+            self._pair(func, rmean, rvar)
             for name, t in (("weight", weight), ("bias", bias), ("running_mean", rmean), ("running_var", rvar)):
                 self._per_channel(func, name, t, c, acc)
             if not training and (rmean is None or rvar is None):
@@ -82,6 +127,8 @@ class CudaContractChecker(TorchDispatchMode):
             self.calls[str(func)] += 1
             grad_out, x, weight, rmean, rvar, save_mean, save_invstd, train, _, mask = args
             acc, c = _acc(x.dtype), x.shape[1]
+            self._input(func, x)
+            self._pair(func, rmean, rvar)
             # batch_norm_backward_cuda: TORCH_INTERNAL_ASSERT(save_mean->defined()) (and invstd).
             if save_mean is None or save_invstd is None:
                 self._fail(func, "save_mean / save_invstd undefined (CUDA asserts they are defined)")
@@ -94,21 +141,28 @@ class CudaContractChecker(TorchDispatchMode):
             # batch_norm_backward_reduce_cuda takes grad_weight / grad_bias options from weight.
             if (mask[1] or mask[2]) and weight is None:
                 self._fail(func, "weight undefined while weight/bias gradients are requested")
-            if weight is not None and weight.dtype not in (x.dtype, acc):
-                self._fail(func, f"weight dtype {weight.dtype} is neither the input's nor {acc}")
-            if weight is not None:
-                self._per_channel(func, "weight", weight, c, weight.dtype)
+            stats = [(n, t) for n, t in (("weight", weight), ("running_mean", rmean), ("running_var", rvar))
+                     if t is not None]
+            if stats:
+                first = stats[0][1].dtype
+                if first not in (x.dtype, acc):
+                    self._fail(func, f"{stats[0][0]} dtype {first} is neither the input's nor {acc}")
+                for name, t in stats:
+                    self._per_channel(func, name, t, c, first)
+                    if t.dtype != first:
+                        self._fail(func, f"{name} dtype {t.dtype} differs from {stats[0][0]}'s {first} "
+                                         "(the fused backward reads them as one stat_scalar_t)")
             if not train and (rmean is None or rvar is None):
                 self._fail(func, "train=False without running statistics (the CPU kernel reads them)")
             if tuple(grad_out.shape) != tuple(x.shape):
                 self._fail(func, "grad_out and input shapes differ")
+            if grad_out.dtype != x.dtype:
+                self._fail(func, f"grad_out dtype {grad_out.dtype} differs from the input's {x.dtype}")
         elif func is aten.batch_norm_update_stats.default:
             self.calls[str(func)] += 1
             x, rmean, rvar, _ = args
-            if (rmean is None) != (rvar is None):
-                self._fail(func, "running_mean and running_var must both be given or both be None")
-            if x.numel() == 0:
-                self._fail(func, "empty input")
+            self._input(func, x)
+            self._pair(func, rmean, rvar)
             if x.dtype in (torch.float16, torch.bfloat16) and (rmean is None or rmean.dtype != torch.float32):
                 self._fail(func, "fp16/bf16 input without float32 buffers: the CPU kernel returns fp16/bf16 statistics")
         out = func(*args, **kwargs)

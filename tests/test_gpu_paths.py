@@ -1,5 +1,6 @@
-"""The paths GPU users take, checked on the CPU: CUDA kernel contracts, launch cost,
-torch.compile, activation checkpointing, evaluation statistics, mixed precision.
+"""The paths GPU users take, checked on the CPU: launch cost, torch.compile, activation
+checkpointing, evaluation statistics, mixed precision (CUDA kernel contracts:
+``test_kernel_contracts.py``).
 
 Each test names the bug it exists to catch; every one of them failed before its fix.
 """
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import distnorm
-from tests.dispatch import CudaContractChecker, OpCounter
+from tests.dispatch import OpCounter
 from tests.distributed import run_distributed
 
 # ------------------------------------------------------------------------------ models
@@ -58,69 +59,6 @@ def _assert_states_close(a: dict, b: dict, tol: float) -> None:
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name].double(), b[name].double(), atol=tol, rtol=tol, msg=name)
-
-
-# ------------------------------------------------------------------ kernel contracts
-def _exercise(layer: nn.Module, dtype: torch.dtype, channels_last: bool, lr: float) -> CudaContractChecker:
-    layer = layer.to(torch.float64 if dtype == torch.float64 else torch.float32)
-    distnorm.set_lr(layer, lr)
-    x = torch.randn(4, layer.num_features, 5, 5) * 2 + 1
-    layer(x.to(dtype))  # initialise AMAT: the second step takes the history path
-    x = x.to(dtype)
-    if channels_last:
-        x = x.to(memory_format=torch.channels_last)
-    x.requires_grad_()
-    with CudaContractChecker() as checker:
-        y = layer(x)
-        y.float().square().sum().backward()
-        layer.eval()
-        layer(x.detach())
-    return checker
-
-
-@pytest.mark.parametrize("kind", list(LAYERS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_every_call_meets_the_cuda_kernel_contract(kind, dtype, channels_last):
-    """Bug caught: native_batch_norm_backward called with undefined save_mean / weight (every
-    CUDA backward failed with 'save_mean should always be defined')."""
-    for lr in (0.2, 0.01):
-        checker = _exercise(LAYERS[kind](6), dtype, channels_last, lr)
-        assert checker.violations == [], checker.violations
-        assert checker.calls["aten.native_batch_norm_backward.default"] == 1  # the path was taken
-
-
-def test_bnp_calls_meet_the_cuda_kernel_contract():
-    model = _mixed_model()
-    distnorm.set_lr(model, 0.01)
-    with CudaContractChecker() as checker:
-        model(torch.randn(4, 3, 6, 6)).square().sum().backward()
-    assert checker.violations == []
-
-
-def test_the_checker_rejects_the_old_backward_call():
-    """The contract test can fail: the call every layer made before this fix is rejected."""
-    x, g = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2)
-    with CudaContractChecker() as checker:
-        torch.ops.aten.native_batch_norm_backward(g, x, None, torch.zeros(3), torch.ones(3), None, None, False,
-                                                  1e-5, [False, True, True])
-    reasons = " | ".join(r for _, r in checker.violations)
-    assert "save_mean / save_invstd undefined" in reasons and "weight undefined" in reasons
-
-
-def _contract_worker(rank, world):
-    found = []
-    for kind, make in LAYERS.items():
-        for dtype in (torch.float32, torch.bfloat16):
-            for lr in (0.2, 0.01):
-                checker = _exercise(make(6), dtype, rank == 1, lr)  # rank 1: channels_last
-                found += checker.violations
-    return found
-
-
-@pytest.mark.world_size(2)
-def test_cuda_kernel_contract_when_synchronized(tmp_path):
-    assert run_distributed(_contract_worker, 2, tmp_path) == [[], []]
 
 
 # ------------------------------------------------------------------------ launch cost
