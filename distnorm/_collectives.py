@@ -12,8 +12,11 @@ collectives in one place makes the per-step communication easy to audit:
 * start-up and consistency checks: :func:`all_agree` (one fixed-size MAX all-reduce) and,
   only once something disagrees, :func:`gather_tensors` / :func:`gather_texts` to say who.
 
-Every collective runs on tensors of the group's device (:func:`group_device`: the CUDA
-device of this rank for NCCL, the CPU for gloo) and none goes through the pickling
+Every collective runs on tensors of the group's device (:func:`group_device`, PyTorch's
+rule: for NCCL the device the group is bound to, else the current CUDA device; the CPU for
+gloo): the training all-reduces on the input's device, which must be that device
+(:func:`check_collective_device`, once per group and device), so the consistency checks and
+the training collectives never run on different GPUs. None goes through the pickling
 ``*_object`` collectives, which on NCCL move data through the host. Nothing here reads a
 tensor on the host (no ``.item()``) except in debug mode and on error paths.
 """
@@ -21,7 +24,7 @@ tensor on the host (no ``.item()``) except in debug mode and on error paths.
 from __future__ import annotations
 
 import hashlib
-import os
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -42,6 +45,8 @@ __all__ = [
     "assert_same_across_ranks",
     "all_reduce_sum",
     "broadcast_from_first",
+    "check_collective_device",
+    "collective_device",
     "constant",
     "gather_tensors",
     "gather_texts",
@@ -116,33 +121,96 @@ def group_ranks(process_group: ProcessGroup | None) -> list[int]:
 
 
 def group_device(process_group: ProcessGroup | None = None) -> torch.device:
-    """The device collectives of ``process_group`` must use.
+    """The device collectives of ``process_group`` run on (:func:`collective_device`).
 
-    gloo (and any other CPU backend): the CPU. NCCL: this rank's GPU — the device the group
-    was bound to (``init_process_group(device_id=...)``), else the launcher's
-    ``LOCAL_RANK`` (torchrun, the DeepSpeed launcher and Accelerate set it; a process that
-    never called ``torch.cuda.set_device`` would otherwise put every rank of a node on
-    GPU 0), else the current CUDA device.
+    gloo (and any other CPU backend): the CPU. NCCL: the device the group is bound to
+    (``init_process_group(device_id=...)``; sub-groups inherit it), else the current CUDA
+    device — the rule PyTorch applies to the same group (``barrier`` and the object
+    collectives in ``torch.distributed.distributed_c10d``). Each process picks its GPU
+    before its first collective: ``torch.cuda.set_device(local_rank)`` (``distnorm-train``,
+    Accelerate and the DeepSpeed engine do) or ``device_id=``; otherwise every rank of a
+    node would use GPU 0.
     """
     group = process_group if process_group is not None else dist.group.WORLD
-    if dist.get_backend(group) != "nccl":
-        return torch.device("cpu")
+    return collective_device(*_device_facts(group))
+
+
+def _device_facts(group: ProcessGroup) -> tuple[str, torch.device | None, int | None]:
+    """``group``'s backend, bound device and — only for an unbound NCCL group, so a CPU-only
+    process never touches CUDA — the current CUDA device index."""
+    backend = dist.get_backend(group)
     bound = getattr(group, "bound_device_id", None)
+    current = torch.cuda.current_device() if backend == "nccl" and bound is None else None
+    return backend, bound, current
+
+
+def collective_device(backend: str, bound: torch.device | None, current_index: int | None,
+                      input_device: torch.device | None = None, *, what: str = "distnorm") -> torch.device:
+    """The device a group's collectives run on; with ``input_device``, also check that a
+    tensor there can join them.
+
+    Args:
+        backend: the group's backend (``dist.get_backend``).
+        bound: the group's ``bound_device_id`` (``init_process_group(device_id=...)``), or
+            ``None``.
+        current_index: ``torch.cuda.current_device()``; read only for an unbound NCCL group.
+        input_device: where the tensor to reduce lives (a synchronized layer's input).
+        what: who reduces, for the error (the layer and phase).
+
+    Returns:
+        The CPU for gloo and other CPU backends; for NCCL ``bound``, else
+        ``cuda:current_index``.
+
+    Raises:
+        ValueError: NCCL and ``input_device`` is not that device. The consistency checks
+            and buffer broadcasts run on the group's device while a training all-reduce runs
+            on its tensor's: two GPUs for one rank (another rank's communicator, or a
+            cross-device copy every step), so this is refused instead.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
     if bound is not None:
-        return torch.device(bound)
-    return torch.device("cuda", cuda_index_for_rank(os.environ.get("LOCAL_RANK"), torch.cuda.device_count(),
-                                                     torch.cuda.current_device()))
+        device, source = bound, "the device the group is bound to (init_process_group(device_id=...))"
+    else:
+        assert current_index is not None, "an unbound NCCL group needs the current CUDA device"
+        device, source = torch.device("cuda", current_index), "the current CUDA device"
+    if input_device is not None and input_device != device:
+        raise ValueError(
+            f"{what}: the tensor to all-reduce is on {input_device} (where its input is), but this "
+            f"rank's NCCL process group runs its collectives on {device}, {source}. Give each process one GPU "
+            "for both: call torch.cuda.set_device(local_rank) before creating the process group and put the "
+            "model and its inputs on that device (or pass init_process_group(device_id=torch.device('cuda', "
+            "local_rank))). This rank stops before the collective; ranks without this mistake wait in it until "
+            "the process group's timeout, unless the launcher (torchrun, deepspeed) stops them first."
+        )
+    return device
 
 
-def cuda_index_for_rank(local_rank: str | None, device_count: int, current: int) -> int:
-    """The CUDA device a process should use: ``LOCAL_RANK`` modulo the visible devices when
-    the launcher set it, else the current device."""
-    if local_rank is None or device_count <= 0:
-        return current
-    try:
-        return int(local_rank) % device_count
-    except ValueError:
-        raise ValueError(f"LOCAL_RANK={local_rank!r} is not an integer") from None
+# The groups whose device check passed, with the tensor devices it passed for: the check then
+# costs one dictionary lookup per collective. Weak keys: a group dropped by the user is not kept
+# alive (an NCCL communicator holds GPU memory).
+_DEVICES_CHECKED: "weakref.WeakKeyDictionary[ProcessGroup, set[torch.device]]" = weakref.WeakKeyDictionary()
+
+
+def check_collective_device(tensor: torch.Tensor, group: ProcessGroup, slot: str = "") -> None:
+    """Raise ``ValueError`` (:func:`collective_device`) unless ``tensor`` may be reduced over
+    ``group``: with NCCL it must sit on the group's device. ``slot`` (``"layer|phase|..."``)
+    names who reduces. Host-side only — ``torch.device`` comparisons, no device op or sync —
+    and done at the first collective of each group and tensor device; later ones cost one
+    dictionary lookup (a ``torch.cuda.set_device`` after that first step is not seen)."""
+    device = tensor.device
+    seen = _DEVICES_CHECKED.get(group)
+    if seen is not None and device in seen:
+        return
+    layer, phase = _slot_names(slot)
+    collective_device(*_device_facts(group), device, what=f"{layer} ({phase})")
+    _DEVICES_CHECKED.setdefault(group, set()).add(device)
+
+
+def _slot_names(slot: str) -> tuple[str, str]:
+    """The layer and phase of a collective slot ``"layer|phase|..."``, for messages."""
+    layer, _, rest = slot.partition("|")
+    return layer or "distnorm", rest.split("|")[0] if rest else "collective"
 
 
 _NORM_GROUPS: dict[tuple[int, ...], ProcessGroup] = {}
@@ -256,15 +324,16 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: st
     """Sum ``tensor`` in place over ``group`` (no-op for ``None``) and return it."""
     if group is None:
         return tensor
+    # Before any collective, the debug fingerprint included: a tensor off the NCCL group's device.
+    check_collective_device(tensor, group, slot)
     if _debug.is_debug():
         _check_slot(group, slot, tensor.device)
     try:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     except RuntimeError as err:  # DistBackendError included: a peer died or timed out
-        layer, _, rest = slot.partition("|")
-        phase = rest.split("|")[0] if rest else "collective"
+        layer, phase = _slot_names(slot)
         raise CollectiveFailedError(
-            f"{layer or 'distnorm'}: the {phase} all-reduce failed on rank {dist.get_rank()} ({err}). Another rank "
+            f"{layer}: the {phase} all-reduce failed on rank {dist.get_rank()} ({err}). Another rank "
             "probably died, stalled past the process group's timeout, or raised an error of its own; see its log."
         ) from err
     return tensor
@@ -323,6 +392,9 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     acc = accumulate_dtype(x)
     local_count = x.numel() // channels if channels else 0
     if group is None:
+        if local_count == 0:  # kernel contract: CUDA's statistics kernel rejects N = 0
+            mean = var = torch.zeros(channels, dtype=acc, device=x.device)
+            return Moments(0, mean, var, False)
         mean, var = local_moments(x)
         if _debug.is_debug():
             _check_statistics(torch.stack([mean.double(), var.double()]), layer, training, float(local_count))

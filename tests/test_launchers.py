@@ -128,7 +128,8 @@ def test_deepspeed_sh_decides_by_the_number_of_hosts(tmp_path, hostfile_text, nu
     active = runner.apply_num_nodes_and_gpus(runner.parse_inclusion_exclusion(pool, "", ""), -1, num_gpus or -1)
     several, world = len(active) > 1, sum(len(slots) for slots in active.values())
 
-    check, launched = _deepspeed_sh(tmp_path, {"HOSTFILE": str(hostfile), **({"NUM_GPUS": str(num_gpus)} if num_gpus else {})})
+    env = {"HOSTFILE": str(hostfile), **({"NUM_GPUS": str(num_gpus)} if num_gpus else {})}
+    check, launched = _deepspeed_sh(tmp_path, env)
     assert check[check.index("--world-size") + 1] == str(world)
     assert launched[launched.index("--hostfile") + 1] == str(hostfile)
     shards, spaced = launched[-2:]
