@@ -112,14 +112,19 @@ def _(grad_out, x, center, invstd, grad_scale, grad_coef, beta_coef, need_input_
     return grad_x, center.new_empty(channels), center.new_empty(channels)
 
 
-@torch.library.custom_op("distnorm::bnp_statistics", mutates_args=("mean", "var"))
-def _bnp_statistics_op(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
+def bnp_statistics_impl(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What ``torch.ops.distnorm.bnp_statistics`` runs (named, so tests can count its ops)."""
     from distnorm import bnp
 
     new_mean, var_t, count = bnp.layer_statistics(h, mean, var, state_of(key), replay=False)
     if not isinstance(count, Tensor):  # a host count (local statistics): an operator returns tensors
-        count = torch.tensor(float(count), dtype=new_mean.dtype, device=new_mean.device)
+        # torch.full, not torch.tensor: a fill kernel instead of a host-to-device copy + sync
+        count = torch.full((), float(count), dtype=new_mean.dtype, device=new_mean.device)
     return _fresh((new_mean, var_t, count))
+
+
+_bnp_statistics_op = torch.library.custom_op("distnorm::bnp_statistics", mutates_args=("mean", "var"))(
+    bnp_statistics_impl)
 
 
 @_bnp_statistics_op.register_fake

@@ -131,9 +131,13 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
     if local <= 1:
         # A global batch of one value per feature: the variance is measured around the
         # running mean instead (paper 004 §3.3); an all-empty batch changes nothing.
-        counts = torch.as_tensor(count, dtype=mean_buf.dtype, device=mean_buf.device)
-        batch_var = torch.where(counts == 1, (batch_mean - mean_buf) ** 2, batch_var.to(var_buf.dtype))
-        weight = weight * (counts > 0).to(mean_buf.dtype)
+        if isinstance(count, int):  # local statistics: the host knows the count (no sync)
+            if count == 1:
+                batch_var = (batch_mean - mean_buf) ** 2
+            weight = weight if count > 0 else 0.0
+        else:
+            batch_var = torch.where(count == 1, (batch_mean - mean_buf) ** 2, batch_var.to(var_buf.dtype))
+            weight = weight * (count > 0).to(mean_buf.dtype)
     new_mean = mean_buf.lerp(batch_mean, weight)
     new_var = var_buf.lerp(batch_var.to(var_buf.dtype), weight)
     mean_buf.copy_(new_mean)

@@ -132,8 +132,8 @@ class CBNBuffers(NamedTuple):
         def vec(value: float) -> torch.Tensor:
             return torch.full((channels,), value, dtype=dtype, device=device)
 
-        return cls(vec(0.0), vec(1.0), torch.tensor(False, device=device), vec(0.0), vec(1.0),
-                   torch.tensor(0, dtype=torch.long, device=device))
+        return cls(vec(0.0), vec(1.0), torch.zeros((), dtype=torch.bool, device=device), vec(0.0), vec(1.0),
+                   torch.zeros((), dtype=torch.long, device=device))
 
 
 def cbn(
@@ -172,12 +172,17 @@ def cbn(
     """
     _check_input(x, weight.shape[0], layer)
     b = buffers
-    eta_t = eta if isinstance(eta, torch.Tensor) else torch.tensor(float(eta), dtype=b.amat_mean.dtype, device=x.device)
+    # No host sync: torch.tensor(eta, device="cuda") would copy from the host and wait for
+    # it; torch.full launches a fill kernel. A tensor eta may be 0 or not, which the host
+    # cannot know without reading it, so it takes the history path, which for eta = 0
+    # computes the no-history values.
+    eta_given = isinstance(eta, torch.Tensor)
+    eta_t = eta if eta_given else torch.full((), float(eta), dtype=b.amat_mean.dtype, device=x.device)
     if not training:
         return cbn_inference(x, weight, bias, b.amat_mean, b.amat_var, eta_t, b.running_mean, b.running_var,
                              b.num_batches_tracked, rho=spec.rho, eps=spec.eps, momentum=spec.momentum,
                              eval_stats=spec.eval_stats or "amat", layer=layer)
-    history = bool(eta_t > 0) if isinstance(eta, torch.Tensor) else eta > 0
+    history = True if eta_given else float(eta) > 0
     state = NormState("cbn", layer, spec.eps, spec.momentum, rho=float(spec.rho), r_max=float(spec.r_max),
                       process_group=process_group, sync=spec.sync, history=history)
     stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
@@ -222,10 +227,10 @@ def cbn_inference(
         mean, var = running_mean.to(acc), torch.addcmul(running_var.to(acc), beta, beta)
         if eval_stats == "auto":
             if momentum is None:
-                threshold = 1.0 - num_batches_tracked.to(amat_eta.dtype).clamp_min(1.0).reciprocal()
+                threshold: float | torch.Tensor = 1.0 - num_batches_tracked.to(amat_eta.dtype).clamp_min(1.0).reciprocal()
             else:
-                threshold = torch.tensor(1.0 - momentum, dtype=amat_eta.dtype, device=amat_eta.device)
-            use_amat = amat_eta >= threshold  # both rounded to the buffer's dtype
+                threshold = 1.0 - momentum  # a Python scalar: no host-to-device copy
+            use_amat = amat_eta >= threshold  # compared in the buffer's dtype
             mean = torch.where(use_amat, amat_mean.to(acc), mean)
             var = torch.where(use_amat, amat_var.to(acc), var)
     scale = gamma / rho * torch.rsqrt(var + eps)
@@ -252,7 +257,7 @@ def pop_norm(
     """
     # No AMAT history: throwaway AMAT buffers (eta = 0 only initialises them).
     like = running_mean
-    buffers = CBNBuffers(torch.zeros_like(like), torch.ones_like(like), torch.tensor(False, device=like.device),
+    buffers = CBNBuffers(torch.zeros_like(like), torch.ones_like(like), torch.zeros((), dtype=torch.bool, device=like.device),
                          running_mean, running_var, num_batches_tracked)
     as_cbn = CBNSpec(rho=spec.kappa, amat=False, omega=0.0, eps=spec.eps, momentum=spec.momentum, r_max=1.0,
                      eval_stats="running", sync=spec.sync)

@@ -120,6 +120,42 @@ def test_dispatched_ops_when_synchronized(tmp_path):
             assert ops <= BUDGET[key][1], (key, ops)
 
 
+def test_no_host_sync_on_any_per_step_path():
+    """Bugs caught: ``torch.tensor(value, device=...)`` (a host-to-device copy the host waits
+    for) in the functional API (every call), in evaluation with ``eval_stats="auto"`` (once
+    per layer) and in compiled BNP (once per layer per step); ``bool(eta > 0)`` in
+    ``functional.cbn``."""
+    from distnorm import _ops, functional
+
+    x = torch.randn(8, 6, 4, 4, requires_grad=True)
+    w, b = torch.ones(6, requires_grad=True), torch.zeros(6, requires_grad=True)
+    buffers = functional.CBNBuffers.fresh(6)
+    functional.cbn(x, w, b, buffers, eta=0.5)  # initialised
+    cbn_auto = [distnorm.CBN(6), distnorm.CBN(6, momentum=None)]
+    for layer in cbn_auto:
+        distnorm.set_lr(layer, 0.001)
+        layer(x.detach())
+        layer.eval()
+    linear = nn.Linear(6, 3)
+    distnorm.bnp.attach(nn.Sequential(linear))
+    state = linear._distnorm_bnp
+    checks = {
+        "functional.cbn, float eta": lambda: functional.cbn(x, w, b, buffers, eta=0.5).sum().backward(),
+        "functional.cbn, tensor eta": lambda: functional.cbn(x, w, b, buffers, eta=torch.full((), 0.5)).sum(),
+        "functional.cbn, eval": lambda: functional.cbn(x, w, b, buffers, training=False).sum(),
+        "functional.pop_norm": lambda: functional.pop_norm(x, w, b, *buffers[3:]).sum().backward(),
+        "functional.sync_batch_norm": lambda: functional.sync_batch_norm(
+            x, buffers.running_mean, buffers.running_var, w, b).sum().backward(),
+        "CBN eval, eval_stats='auto'": lambda: [layer(x) for layer in cbn_auto],
+        "compiled BNP statistics": lambda: _ops.bnp_statistics_impl(
+            torch.randn(8, 6), linear.bnp_mean, linear.bnp_var, state.key),
+    }
+    for name, call in checks.items():
+        with OpCounter() as counter:
+            call()
+        assert counter.host_syncs == 0, (name, [op for op in counter.ops if "lift_fresh" in op or "scalar" in op])
+
+
 # ---------------------------------------------------------------------- torch.compile
 def _compile_run(rank: int = 0, world: int = 1, device: str = "cpu") -> list[dict]:
     eager = _mixed_model().to(device)
