@@ -242,15 +242,22 @@ def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: to
     replayed = _begin(x, state, replay)
     if replayed is not None:
         return replayed
-    moments = _collectives.global_moments(x, state.group(), layer=state.name)
+    group = state.group()
+    moments = _collectives.global_moments(x, group, layer=state.name)
     mean, var, count = moments.mean, moments.var, moments.count
     acc = mean.dtype
     channels = mean.shape[0]
     invstd = torch.rsqrt(var + state.eps)
-    a = invstd * _acc(weight, acc) if weight is not None else invstd
     one = constant(1.0, channels, acc, mean.device)
-    plan = NormPlan(mean, var, invstd, a, _grad_coef(_neg_inverse_count(a, count), invstd, one, mean),
-                    _EMPTY.get(acc, mean.device))
+    if group is None:
+        # Local: ATen's training backward does all of it (normalize_backward), given the
+        # weight in the accumulation dtype (ones without affine) as grad_scale.
+        a = _acc(weight, acc) if weight is not None else one
+        grad_coef = _ZEROS.get((2, 2, channels), acc, mean.device)
+    else:
+        a = invstd * _acc(weight, acc) if weight is not None else invstd
+        grad_coef = _grad_coef(_neg_inverse_count(a, count), invstd, one, mean)
+    plan = NormPlan(mean, var, invstd, a, grad_coef, _ZEROS.get((0,), acc, mean.device))
     _update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
     return _finish(plan, x, state, replay)
 
@@ -335,20 +342,22 @@ def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, am
     return _finish(plan, x, state, replay)
 
 
-class _EmptyCache:
-    """0-element tensors per (dtype, device): the plan's ``beta_coef`` for BN."""
+class _ZerosCache:
+    """Read-only zero tensors per (shape, dtype, device), for plan fields a path does not use
+    (BN's ``beta_coef``; the local BN backward's ``grad_coef``): no op per step, and the
+    shapes the compiled operators declare."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._cache: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
 
-    def get(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (dtype, device)
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (shape, dtype, device)
         if key not in self._cache:
-            self._cache[key] = torch.empty(0, dtype=dtype, device=device)
+            self._cache[key] = torch.zeros(shape, dtype=dtype, device=device)
         return self._cache[key]
 
 
-_EMPTY = _EmptyCache()
+_ZEROS = _ZerosCache()
 
 
 # ---------------------------------------------------------------- forward / backward
@@ -404,6 +413,8 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
     ``grad_x`` is an empty tensor when ``need_input_grad`` is false (no collective then).
     """
     channels = center.shape[0]
+    if state.kind == "bn" and state.group() is None:
+        return _local_batch_norm_backward(grad_out, x, center, invstd, grad_scale, need_input_grad, state)
     if x.numel() > 0:
         # Kernel contract (batch_norm_backward_cuda): train=True makes both kernels read
         # save_mean / save_invstd, which CUDA asserts are defined; the mask [False, True,
@@ -438,6 +449,21 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
     grad_x = channel_affine(x, slope, shift)
     # a stays in the accumulation dtype: the in-place op computes in float32 and rounds once.
     grad_x.addcmul_(grad_out, _view(grad_scale, x.dim()))
+    return grad_x, grad_weight, grad_bias
+
+
+def _local_batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                               weight: torch.Tensor, need_input_grad: bool,
+                               state: NormState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Batch normalization without synchronization: the global sums are this rank's, so
+    ATen's training backward computes ``dx``, ``dweight`` and ``dbias`` in one kernel, as
+    for ``torch.nn.BatchNorm*`` (``weight``: the layer's, or ones, in the accumulation
+    dtype). Kernel contract: ``train=True`` reads the defined ``save_mean`` /
+    ``save_invstd``; the weight is defined whenever its gradients are asked for."""
+    grad_x, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+        grad_out, x, weight, None, None, mean, invstd, True, state.eps, [need_input_grad, True, True])
+    if not need_input_grad:
+        grad_x = torch.empty(0, dtype=x.dtype, device=x.device)
     return grad_x, grad_weight, grad_bias
 
 
