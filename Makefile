@@ -26,12 +26,15 @@ test-cluster: $(STAMP)
 	$(PY) bench/network.py --json bench/results/network-cpu.json --plot docs/network.png
 
 # On a machine with CUDA (2+ GPUs for the NCCL tests): the CUDA equivalence, compile and
-# checkpointing tests, the CPU suite's kernel-contract and launch-cost tests, and the layer and
-# step benchmarks on the GPU. Skips (does not fake) what the machine lacks.
-test-gpu: $(STAMP)
-	$(PY) -m pytest -q -rs tests/test_cuda.py tests/test_gpu_paths.py $(PYTEST_ARGS)
-	$(PY) bench/layers.py --device cuda --json bench/results/layers-cuda.json
-	$(PY) bench/step.py --json bench/results/step-cuda.json
+# checkpointing tests, the CPU suite's kernel-contract and launch-cost tests, the layer
+# benchmark and the one-GPU step benchmark, in one report: bench/results/gpu-<date>.{json,md}
+# (bench/gpu_report.py). Skips (does not fake) what the machine lacks, and says why.
+# `make test-gpu PY=python3` runs with that interpreter as it is and installs nothing (a bare
+# GPU machine without network); without PY=, the venv as for `make test`.
+# GPU_REPORT_ARGS: more options of bench/gpu_report.py, e.g. --only tests step --step-args='--models resnet50'
+GPU_PREREQ := $(if $(filter command line,$(origin PY)),,$(STAMP))
+test-gpu: $(GPU_PREREQ)
+	$(PY) bench/gpu_report.py $(if $(PYTEST_ARGS),--pytest-args='$(PYTEST_ARGS)') $(GPU_REPORT_ARGS)
 
 # The quick start: digits shards, a 2-process CPU run of configs/demo/digits.yaml through
 # launch/torchrun.sh, then plots. A few minutes on 2 cores.

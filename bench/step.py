@@ -50,13 +50,19 @@ SYNCED = ("cbn", "popnorm", "syncbn", "naive_syncbn")
 MODELS = {"resnet18": (128, 8, 64, 2), "resnet20": (32, 64, 32, 8)}
 
 
-def build(name: str, variant: str) -> nn.Module:
+#: variant: the ``norm`` of ``models.create``; ``bnp`` / ``bnp_gn`` then attach BNP (paper 004
+#: preconditions local BN, and GroupNorm in place of BN for ResNets).
+NORM_OF = {"local_bn": "local_bn", "cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn", "naive_syncbn": "local_bn",
+           "bnp": "local_bn", "bnp_gn": "gn"}
+
+
+def build(name: str, variant: str, num_classes: int = 10) -> nn.Module:
+    """``name`` from the zoo with its own activations, in ``variant`` (a key of NORM_OF)."""
     torch.manual_seed(0)
-    norm = {"cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn"}.get(variant, "local_bn")
-    model = models.create(name, num_classes=10, norm=norm, activation=None)
+    model = models.create(name, num_classes=num_classes, norm=NORM_OF[variant], activation=None)
     if variant == "naive_syncbn":
         naive_sync(model)
-    if variant == "bnp":
+    if variant in ("bnp", "bnp_gn"):
         distnorm.bnp.attach(model)
     return model
 

@@ -8,11 +8,13 @@ lands outside it). The real figures live in the README and bench/results/ with t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -111,3 +113,80 @@ def test_bench_all_collects_json_and_markdown(tmp_path):
     (summary,) = tmp_path.glob("*-quick.json")
     assert "cbn_vs_batchnorm2d" in json.loads(summary.read_text())["results"]["layers"]["ratios"]
     assert "`cbn_vs_batchnorm2d`" in summary.with_suffix(".md").read_text()
+
+
+# ------------------------------------------------------------- make test-gpu, on a CPU
+def _bench_module(name: str, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the scripts import their neighbours by name
+    import importlib
+
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def step_gpu_smoke(tmp_path_factory) -> dict:
+    """bench/step_gpu.py in its smoke sizes on the CPU (eager: compiling on 2 cores takes minutes;
+    tests/test_gpu_paths.py checks compiled layers against eager)."""
+    out = tmp_path_factory.mktemp("step_gpu") / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # bf16 on a shared 2-core CPU: threads only contend
+    subprocess.run([sys.executable, str(REPO / "bench" / "step_gpu.py"), "--smoke", "--device", "cpu", "--modes", "eager",
+                    "--json", str(out)], check=True, cwd=REPO, timeout=300, env=env)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_bench_step_gpu_smoke(step_gpu_smoke):
+    result = step_gpu_smoke
+    assert result["config"] | {"batch": 2, "size": 32} == result["config"] and result["config"]["amp"] == "bf16"
+    (name,) = result["models"]
+    table = result["models"][name]["variants"]
+    assert list(table) == ["local_bn", "syncbn", "cbn", "popnorm", "bnp_gn"] and all(list(m) == ["eager"] for m in table.values())
+    assert table["local_bn"]["eager"]["ratio_vs_local_bn_eager"] == 1.0
+    for variant, modes in table.items():
+        e = modes["eager"]
+        assert e["images_per_s"] == pytest.approx(2 / (e["median_step_ms"] / 1e3), rel=1e-2)
+        assert e["ratio_vs_local_bn_eager"] == pytest.approx(e["median_step_ms"] / table["local_bn"]["eager"]["median_step_ms"], rel=1e-2)
+        assert e["peak_memory_bytes"] is None  # no allocator statistics on the CPU
+    assert set(result["ratios"]) == {f"step_{v}_eager_vs_local_bn_eager_{name}" for v in table if v != "local_bn"}
+    _sane(result["ratios"])
+
+
+@pytest.mark.timeout(120)
+def test_gpu_report_without_cuda(tmp_path, monkeypatch):
+    """The report is written when CUDA is absent: the tests' skip reasons, the benchmarks skipped."""
+    gpu_report = _bench_module("gpu_report", monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the pytest it starts, on a machine with GPUs too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_report.main(["--tests", "tests/test_cuda.py", "--out", str(tmp_path), "--name", "report"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["cuda"]["device_count"] == 0 and report["cuda"]["reason"].startswith("no CUDA device")
+    tests = report["parts"]["tests"]
+    assert tests["status"] == "ran" and tests["passed"] == tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 0
+    assert sum(tests["skip_reasons"].values()) == tests["skipped"]
+    assert all("CUDA" in reason for reason in tests["skip_reasons"])
+    for part in ("layers", "step"):
+        assert report["parts"][part] == {"status": "skipped", "reason": report["cuda"]["reason"]}
+    md = (tmp_path / "report.md").read_text()
+    assert f"skipped: {report['cuda']['reason']}" in md and "| 0 | 0 | 0 | " in md
+
+
+def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
+    """The report's summary of a JUnit file (a failure fails the part) and its step table."""
+    gpu_report = _bench_module("gpu_report", monkeypatch)
+    xml = tmp_path / "junit.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.test_cuda" name="a"/>'
+                   '<testcase classname="tests.test_cuda" name="b"><skipped message="needs a CUDA device: none visible"/></testcase>'
+                   '<testcase classname="tests.test_cuda" name="c"><failure message="AssertionError: 1 != 2">tb</failure></testcase>'
+                   '</testsuite></testsuites>')
+    summary = gpu_report.junit_summary(xml)
+    assert summary == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1,
+                       "skip_reasons": {"needs a CUDA device: none visible": 1},
+                       "failures": [{"test": "tests.test_cuda::c", "kind": "failure", "message": "AssertionError: 1 != 2"}]}
+    report = {"name": "t", "command": "python bench/gpu_report.py", "machine": step_gpu_smoke["machine"],
+              "cuda": gpu_report.cuda_info(), "packages": {"deepspeed": None},
+              "parts": {"tests": {"status": "failed", "command": "pytest", "wall_s": 1.0, **summary},
+                        "layers": {"status": "skipped", "reason": "not asked for (--only)"},
+                        "step": {"status": "ran", "command": "python bench/step_gpu.py", "result": step_gpu_smoke}}}
+    md = gpu_report.markdown(report)
+    assert "Not installed: deepspeed" in md and "* FAILED `tests.test_cuda::c`: AssertionError: 1 != 2" in md
+    assert "| resnet20 | local_bn | eager | " in md and "| resnet20 | bnp_gn | eager | " in md

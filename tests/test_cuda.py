@@ -5,18 +5,27 @@ tests, with float32 tolerances where the GPU kernels accumulate differently."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import distnorm
 from tests import reference as ref
 from tests.distributed import run_distributed
 from tests.test_layers_distributed import LRS, _assert_bit_identical, _equivalence_worker
 
+# Each skip names what the machine lacks (``make test-gpu`` reports the reasons with their counts).
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
-needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA devices for NCCL")
+NO_GPU = (f"needs a CUDA device: torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+          else "needs a CUDA device: none visible")
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason=NO_GPU)
+needs_two_gpus = pytest.mark.skipif(GPUS < 2 or not dist.is_nccl_available(),
+                                    reason=f"needs 2 CUDA devices for NCCL (found {GPUS})" if GPUS < 2
+                                    else "needs NCCL: this torch build has none")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="needs triton (torch.compile's inductor on CUDA): not installed")
 
 pytestmark = pytest.mark.cuda
 
@@ -86,6 +95,7 @@ def test_nccl_two_ranks_equal_one_process(tmp_path, kind, splits):
 
 
 @needs_gpu
+@needs_triton
 def test_cuda_compile_equals_eager():
     """torch.compile (inductor, fullgraph) of every layer kind and BNP equals eager on CUDA."""
     from tests.test_gpu_paths import _check_compile, _compile_run

@@ -1,0 +1,196 @@
+"""One training step of the mission's models on one GPU: distnorm's layers against local
+BatchNorm, eager and ``torch.compile``d, in the same run.
+
+    python bench/step_gpu.py --json bench/results/step-gpu.json [--models resnet50] [--modes eager]
+    python bench/step_gpu.py --smoke --device cpu --modes eager    # tiny sizes, for the tests
+
+ResNet-18, ResNet-50 and EfficientNet-B0 (torchvision, 1000 classes, their own activations)
+at 224 px, batch 256, bf16 autocast, channels_last, SGD (momentum 0.9, weight decay 1e-4,
+lr 0.01 so that AMAT's eta = 0.9: CBN's history path, the most expensive one; ``set_lr`` is
+called before every step, as a recipe does), in five variants built by ``bench/step.py``'s
+``build``: PyTorch's local ``nn.BatchNorm2d`` (the model as built: the baseline), distnorm's
+``SyncBatchNorm`` (``norm="bn"``), CBN, POP-Norm, and GroupNorm + BNP (``norm="gn"`` then
+``bnp.attach``). Each runs eager and with the model ``torch.compile``d (the optimizer step
+stays eager). One process: the synchronized layers have no peers and skip their collectives,
+so this measures what the layers cost in compute and kernel launches; ``bench/step.py``
+measures the collectives under DDP.
+
+Per model, every variant and mode is built once and kept, and the steps are timed round-
+robin (median of ``--repeats``; ``_common.interleaved_medians``), so machine noise hits all
+alike (the compiled variants of a model share dynamo's cache for the model's ``forward``:
+one entry each, within its recompile limit of 8; no recompiles after the first step).
+Reported per variant and mode: median step ms, ``ratio_vs_local_bn_eager`` (the baseline of
+the same run; lower is better), images/s (batch / median step), ``first_step_s`` (for a
+compiled variant: the compile), and on CUDA ``peak_memory_bytes``: the most
+``torch.cuda.max_memory_allocated`` reached in one step (reset before it) above what was
+allocated before the variant was built (its parameters, gradients, optimizer state and
+activations; not the input batch, not the other variants).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+
+import torch
+from torch import nn
+
+from _common import interleaved_medians, machine, synchronize, write_json  # noqa: I001  (sets sys.path)
+from step import build  # noqa: I001
+
+import distnorm
+from distnorm import models
+
+MODELS = ("resnet18", "resnet50", "efficientnet_b0")
+VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn")
+MODES = ("eager", "compile")
+BASELINE = ("local_bn", "eager")
+LR = 0.01
+NUM_CLASSES = 1000
+#: Sizes of a real run, and of --smoke: the zoo's CIFAR ResNet-20, tiny inputs (the same
+#: variants and code paths, in seconds on a CPU). Options given on the command line win.
+FULL = {"models": list(MODELS), "batch": 256, "size": 224, "repeats": 10}
+SMOKE = {"models": ["resnet20"], "batch": 2, "size": 32, "repeats": 1}
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", choices=models.available(), help=f"default {FULL['models']}")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                        help="local_bn is always included (the baseline)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="eager is always included (the baseline)")
+    parser.add_argument("--batch", type=int, help=f"default {FULL['batch']}")
+    parser.add_argument("--size", type=int, help=f"input side in pixels, default {FULL['size']}")
+    parser.add_argument("--repeats", type=int, help=f"timed steps per variant (median), default {FULL['repeats']}")
+    parser.add_argument("--no-amp", dest="amp", action="store_false", help="float32 instead of bf16 autocast")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: tracing only)")
+    parser.add_argument("--smoke", action="store_true", help=f"tiny run for the tests: {SMOKE}")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    for key, value in (SMOKE if args.smoke else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.variants = ["local_bn", *[v for v in args.variants if v != "local_bn"]]
+    args.modes = ["eager", *[m for m in args.modes if m != "eager"]]
+    if min(args.batch, args.size, args.repeats) < 1:
+        parser.error("--batch, --size and --repeats must be >= 1")
+    return args
+
+
+def make_step(model: nn.Module, forward: nn.Module, x: torch.Tensor, y: torch.Tensor, amp: bool):
+    """One SGD step of ``model`` through ``forward`` (the model itself or its compiled form)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        distnorm.set_lr(model, LR)  # AMAT follows the optimizer's lr: every step, as in a recipe
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = loss_fn(forward(x), y)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def peak_step_bytes(step, device: torch.device, before: int) -> int | None:
+    """Peak allocated during one ``step`` above ``before``; None without CUDA allocator stats."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device, memory_format=torch.channels_last)
+    y = torch.randint(0, NUM_CLASSES, (args.batch,), generator=gen).to(device)
+    steps, first, peak = {}, {}, {}
+    for variant in args.variants:
+        for mode in args.modes:
+            before = _allocated(device)
+            model = build(name, variant, num_classes=NUM_CLASSES).to(device, memory_format=torch.channels_last)
+            forward = torch.compile(model, backend=args.compile_backend) if mode == "compile" else model
+            step = make_step(model, forward, x, y, args.amp)
+            start = time.perf_counter()
+            step()  # compiled: the compile
+            synchronize(device)
+            first[variant, mode] = time.perf_counter() - start
+            step()  # after the first step's lazy state (optimizer momentum, AMAT history, autotuning)
+            peak[variant, mode] = peak_step_bytes(step, device, before)
+            steps[variant, mode] = step
+            print(f"  {name} {variant} {mode}: first step {first[variant, mode]:.1f} s", flush=True)
+    medians = interleaved_medians(steps, args.repeats, device, warmup=1)
+    base = medians[BASELINE]
+    table = {variant: {mode: {"median_step_ms": round(medians[variant, mode] * 1e3, 3),
+                              "ratio_vs_local_bn_eager": round(medians[variant, mode] / base, 4),
+                              "images_per_s": round(args.batch / medians[variant, mode], 1),
+                              "peak_memory_bytes": peak[variant, mode],
+                              "first_step_s": round(first[variant, mode], 2)}
+                       for mode in args.modes}
+             for variant in args.variants}
+    return {"input": [args.batch, 3, args.size, args.size], "variants": table}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    skipped = {}
+    if "compile" in args.modes and device.type == "cuda" and args.compile_backend == "inductor" \
+            and importlib.util.find_spec("triton") is None:
+        args.modes.remove("compile")
+        skipped["compile"] = "inductor on CUDA needs triton, which is not installed"
+        print(f"compile: skipped ({skipped['compile']})")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as training recipes do; the warm-up steps absorb the tuning
+    results = {}
+    for name in args.models:
+        results[name] = bench_model(name, args, device)
+        torch._dynamo.reset()  # compiled code of this model's variants: free it, and their cache slots
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ratios = {f"step_{variant}_{mode}_vs_local_bn_eager_{name}": entry["ratio_vs_local_bn_eager"]
+              for name, r in results.items() for variant, modes in r["variants"].items()
+              for mode, entry in modes.items() if (variant, mode) != BASELINE}
+    payload = {
+        "benchmark": "step_gpu",
+        "machine": machine(),
+        "device": str(device),
+        "config": {"batch": args.batch, "size": args.size, "repeats": args.repeats, "amp": "bf16" if args.amp else None,
+                   "channels_last": True, "optimizer": "SGD(lr=0.01, momentum=0.9, weight_decay=1e-4)",
+                   "compile_backend": args.compile_backend, "cudnn_benchmark": device.type == "cuda",
+                   "smoke": args.smoke},
+        "models": results,
+        "skipped": skipped,
+        "ratios": ratios,
+    }
+    for name, r in results.items():
+        print(f"{name} {tuple(r['input'])}:")
+        for variant, modes in r["variants"].items():
+            for mode, e in modes.items():
+                mem = f"{e['peak_memory_bytes'] / 2**30:.2f} GiB" if e["peak_memory_bytes"] is not None else "n/a"
+                print(f"  {variant:9s} {mode:8s} {e['median_step_ms']:10.2f} ms  x{e['ratio_vs_local_bn_eager']:.3f}  "
+                      f"{e['images_per_s']:9.1f} img/s  peak {mem}")
+    print(f"ratios: {json.dumps(ratios)}")
+    write_json(args.json, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()  # no _common.use_stable_allocator(): the GPU's memory comes from PyTorch's caching allocator
