@@ -127,6 +127,8 @@ def junit_summary(path: Path) -> dict:
 
 
 def run_tests(args: argparse.Namespace) -> dict:
+    if importlib.util.find_spec("pytest") is None:
+        return {"status": "skipped", "reason": f"pytest is not installed for {sys.executable}"}
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         shown = ["-m", "pytest", "-q", "-rs", *args.tests, *shlex.split(args.pytest_args)]
