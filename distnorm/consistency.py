@@ -1,17 +1,28 @@
 """Prove that state which must be identical on every rank is identical.
 
 distnorm computes every buffer (running / AMAT statistics, BNP moments) from all-reduced
-statistics, so the buffers stay bit-identical across ranks without ``broadcast_buffers``.
-:func:`check_consistency` verifies that at any time, cheaply:
+statistics, so the buffers stay bit-identical across ranks without ``broadcast_buffers``;
+data-parallel engines keep the parameters (and a replicated optimizer's state) identical
+by averaging the gradients. :func:`check_consistency` verifies that at any time, cheaply:
 
-1. one fixed-size all-reduce compares a hash of the buffer names, dtypes and shapes (so a
+1. one fixed-size all-reduce compares a hash of the tensor names, dtypes and shapes (so a
    structural mismatch is reported, not turned into a hang by differently sized tensors);
-2. one all-reduce of a 64-bit fingerprint of the bits of every buffer;
-3. only if some fingerprints differ: the divergent buffers are gathered and compared
-   exactly, and the error names each buffer and the groups of ranks that agree.
+2. one all-reduce of a 64-bit fingerprint of the bits of every tensor;
+3. only if some fingerprints differ: the divergent tensors are gathered and compared
+   exactly, and the error names each tensor and the groups of ranks that agree.
+
+Only replicated state is compared. A parameter an engine partitions across ranks (ZeRO-3)
+holds a different shard on every rank by design and is left out, as is optimizer state
+kept for such shards (ZeRO 1-3 optimizers); the integrations say which parameters are
+partitioned (:func:`register_partitioned`), so which tensors are compared depends only on
+facts every rank shares, and no rank can be left waiting in a collective another skipped.
 """
 
 from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -20,18 +31,59 @@ from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, assert_same_across_ranks
 from distnorm.errors import InconsistentStateError
 
-__all__ = ["check_consistency", "consistent_tensors", "assert_same_across_ranks", "InconsistentStateError"]
+__all__ = [
+    "check_consistency",
+    "consistent_tensors",
+    "register_partitioned",
+    "assert_same_across_ranks",
+    "InconsistentStateError",
+]
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = 0x9E3779B1  # odd multiplier: a position-dependent weight for every element
 
 
-def consistent_tensors(model: nn.Module, *, parameters: bool = False) -> list[tuple[str, torch.Tensor]]:
+#: Tests ``test(parameter) -> bool`` telling a parameter an engine partitions across ranks
+#: (different on every rank by design). Integrations register theirs; see
+#: :func:`register_partitioned`.
+_PARTITIONED: list[Callable[[torch.Tensor], bool]] = []
+
+#: Engine libraries whose integration registers a partition test: imported (if the script
+#: imported the library) before parameters are selected, so a bare script that never
+#: imported ``distnorm.integrations.<library>`` is covered too.
+_PARTITIONING_LIBRARIES = ("deepspeed",)
+
+
+def register_partitioned(test: Callable[[torch.Tensor], bool]) -> None:
+    """Declare parameters for which ``test(parameter)`` is true as partitioned across ranks
+    (integrations call it; DeepSpeed registers ZeRO-3's partitioned parameters). The test
+    must give the same answer on every rank."""
+    if test not in _PARTITIONED:
+        _PARTITIONED.append(test)
+
+
+def _partition_tests() -> list[Callable[[torch.Tensor], bool]]:
+    for library in _PARTITIONING_LIBRARIES:
+        if library in sys.modules:  # the script uses the engine: its integration knows its shards
+            importlib.import_module(f"distnorm.integrations.{library}")
+    return _PARTITIONED
+
+
+def consistent_tensors(
+    model: nn.Module,
+    *,
+    parameters: bool = False,
+    optimizer: Any | None = None,
+) -> list[tuple[str, torch.Tensor]]:
     """The ``(qualified name, tensor)`` pairs that must match across ranks.
 
     Every buffer of a distnorm layer, the buffers a module lists in its
-    ``_distnorm_buffers`` attribute (BNP's moments), and with ``parameters=True`` every
-    parameter of ``model``.
+    ``_distnorm_buffers`` attribute (BNP's moments); with ``parameters=True`` every
+    parameter of ``model`` that is replicated (not partitioned by an engine), named as in
+    ``model.named_parameters()``; with ``optimizer`` the tensors of its per-parameter state
+    for those parameters (``optimizer[<parameter>].<key>``, e.g. SGD's ``momentum_buffer``).
+    An optimizer whose state is kept for flattened or partitioned copies (DeepSpeed's ZeRO
+    optimizers) holds no state for the model's own parameters, so contributes nothing.
     """
     from distnorm.layers import _DistNormLayer  # local import: layers imports this package
 
@@ -46,8 +98,16 @@ def consistent_tensors(model: nn.Module, *, parameters: bool = False) -> list[tu
             buf = module._buffers.get(name)
             if buf is not None:
                 found.append((dot + name, buf))
+    tests = _partition_tests() if parameters or optimizer is not None else []
+    replicated = [(n, p) for n, p in model.named_parameters() if not any(test(p) for test in tests)]
     if parameters:
-        found.extend(model.named_parameters())
+        found.extend(replicated)
+    if optimizer is not None:
+        state = getattr(optimizer, "state", None) or {}
+        for name, param in replicated:
+            for key, value in sorted(state.get(param, {}).items()):
+                if torch.is_tensor(value):
+                    found.append((f"optimizer[{name}].{key}", value))
     return found
 
 
@@ -80,6 +140,7 @@ def check_consistency(
     process_group: ProcessGroup | None = None,
     *,
     parameters: bool = False,
+    optimizer: Any | None = None,
 ) -> int:
     """Raise :class:`InconsistentStateError` unless distnorm's buffers match on every rank.
 
@@ -89,7 +150,11 @@ def check_consistency(
     Args:
         model: the model (wrapped by DDP or an engine, or not).
         process_group: ranks to compare (default: the default group).
-        parameters: also compare every parameter (catches diverged replicas).
+        parameters: also compare every replicated parameter (catches replicas whose weights
+            drifted apart: a rank that skipped a step, a per-rank edit or load). Parameters
+            an engine partitions (ZeRO-3) are left out: each rank holds its own shard.
+        optimizer: also compare this optimizer's state for the replicated parameters (a
+            torch optimizer or a wrapper with ``state``: DDP, Accelerate, DeepSpeed ZeRO-0).
 
     Returns:
         The number of tensors compared.
@@ -105,7 +170,7 @@ def check_consistency(
     from distnorm.layers import name_layers
 
     name_layers(model)
-    named = consistent_tensors(model, parameters=parameters)
+    named = consistent_tensors(model, parameters=parameters, optimizer=optimizer)
     group = _collectives.sync_group(process_group)
     if group is None:
         return len(named)
@@ -116,7 +181,8 @@ def check_consistency(
     assert_same_across_ranks(
         layout,
         "the model structure (distnorm buffer names, dtypes, shapes; every rank must build the same "
-        "model with the same distnorm config)",
+        "model with the same distnorm config)" + (" and the compared parameters / optimizer state"
+                                                  if parameters or optimizer is not None else ""),
         group,
     )
     if not named:
@@ -147,6 +213,9 @@ def check_consistency(
         + "\n".join(lines)
         + "\nBuffers of distnorm layers are computed from all-reduced statistics and must be "
         "bit-identical; a difference means a rank changed them outside distnorm (a load, a "
-        "manual edit, a layer run with sync=False) or ran a different model.",
+        "manual edit, a layer run with sync=False) or ran a different model. Parameters and "
+        "optimizer state stay identical only while every rank applies the same averaged "
+        "gradients: a difference there means a rank skipped or repeated a step, or changed "
+        "them on its own.",
         mismatches,
     )

@@ -10,9 +10,10 @@
    verifies them (engines such as DeepSpeed do not broadcast buffers at initialisation);
 3. a forward pre-hook on the model that, before every training forward, hands AMAT the
    learning rate, re-synchronizes buffers after a checkpoint load, and every
-   ``check_every`` training forwards runs :func:`distnorm.check_consistency`, which raises
-   :class:`~distnorm.InconsistentStateError` naming the divergent buffer instead of letting
-   a run drift;
+   ``check_every`` training forwards runs :func:`distnorm.check_consistency` over the
+   buffers, the replicated parameters and the followed optimizer's replicated state, which
+   raises :class:`~distnorm.InconsistentStateError` naming the divergent tensor instead of
+   letting a run drift;
 4. ``state_dict()`` / ``load_state_dict()`` for the engines' checkpointing.
 
 The engine-specific few lines live in :mod:`distnorm.integrations.accelerate` and
@@ -161,6 +162,8 @@ class DistNormPlugin:
         self.amat_layers = [m for m in model.modules() if isinstance(m, _CompleteNorm) and m.amat]
         self.local_running_stats = unsynchronized_running_stats(model)
         self._lr_of_layer: Callable[[], list[float]] | None = None
+        #: Optimizer whose replicated state the periodic check compares (set by follow()).
+        self.optimizer: Any | None = None
         self.training_forwards = 0
         self._resync = False
         # Off is off: a configuration that changes nothing adds no hook, check or collective.
@@ -209,6 +212,7 @@ class DistNormPlugin:
                 )
             index = [where.get(id(m.weight), 0) for m in self.amat_layers]
             self._lr_of_layer = lambda: [source.param_groups[i]["lr"] for i in index]
+            self.optimizer = source
         elif callable(source):
             self._lr_of_layer = lambda: [float(source())] * len(self.amat_layers)
         else:
@@ -256,7 +260,10 @@ class DistNormPlugin:
         self.training_forwards += 1
         every = self.config.check_every
         if every and self.training_forwards % every == 0:
-            check_consistency(self.model, self.group)
+            # Parameters and optimizer state too: a replica whose weights drifted (a rank that
+            # skipped a step, a per-rank load) trains on silently otherwise. Partitioned
+            # parameters (ZeRO-3) are left out by check_consistency itself.
+            check_consistency(self.model, self.group, parameters=True, optimizer=self.optimizer)
 
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -284,3 +291,4 @@ class DistNormPlugin:
         if self._hook is not None:
             self._hook.remove()
         self._lr_of_layer = None
+        self.optimizer = None

@@ -73,6 +73,45 @@ def test_perturbed_buffer_is_named_with_ranks(tmp_path):
         assert mismatches == {"module.2.amat_mean": [[0, 2], [1]]}
 
 
+def _drift_worker(rank, world):
+    """Train 2 steps under DDP, then let rank 1 alone change a weight, then a momentum
+    buffer: every rank must raise, naming the tensor (none left waiting in a collective)."""
+    model = DDP(_model(), **distnorm.ddp_kwargs())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        distnorm.set_lr(model, opt.param_groups[0]["lr"])
+        model(torch.randn(4, 3, 8, 8, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    buffers, params = distnorm.check_consistency(model), len(list(model.parameters()))
+    # replicated state agrees: buffers + parameters + one momentum buffer per parameter
+    assert distnorm.check_consistency(model, parameters=True, optimizer=opt) == buffers + 2 * params
+    errors = []
+    for tensor in (model.module[3].weight, opt.state[model.module[3].weight]["momentum_buffer"]):
+        saved = tensor.detach().clone()
+        if rank == 1:
+            with torch.no_grad():
+                tensor.view(-1)[5] += 1e-7 * max(1.0, float(tensor.view(-1)[5].abs()))
+        with pytest.raises(distnorm.InconsistentStateError) as info:
+            distnorm.check_consistency(model, parameters=True, optimizer=opt)
+        errors.append((str(info.value), info.value.mismatches))
+        with torch.no_grad():
+            tensor.copy_(saved)
+    assert distnorm.check_consistency(model, parameters=True, optimizer=opt) > 0  # restored: agrees again
+    return errors
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(120)
+def test_drifted_parameter_and_optimizer_state_are_named_on_every_rank(tmp_path):
+    out = run_distributed(_drift_worker, 2, tmp_path, timeout=90)
+    for (param_msg, param_groups), (state_msg, state_groups) in out:
+        assert param_groups == {"module.3.weight": [[0], [1]]}, param_msg
+        assert "module.3.weight: ranks [0] | [1]" in param_msg and "skipped or repeated a step" in param_msg
+        assert state_groups == {"optimizer[module.3.weight].momentum_buffer": [[0], [1]]}, state_msg
+
+
 def _structure_worker(rank, world):
     model = nn.Sequential(distnorm.CBN(4), *([distnorm.CBN(4)] if rank == 1 else []))
     with pytest.raises(distnorm.InconsistentStateError, match="the model structure"):
@@ -89,3 +128,9 @@ def test_check_consistency_local_is_a_count():
     model = nn.Sequential(distnorm.CBN(4), nn.Linear(4, 4), distnorm.SyncBatchNorm(4))
     assert distnorm.check_consistency(model) == 7 + 3  # CBN: 7 buffers (amat_eta included)
     assert distnorm.check_consistency(model, parameters=True) == 7 + 3 + 6
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert distnorm.check_consistency(model, parameters=True, optimizer=opt) == 7 + 3 + 6  # no state yet
+    distnorm.set_lr(model, 0.1)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    assert distnorm.check_consistency(model, optimizer=opt) == 7 + 3 + 6  # one momentum buffer each

@@ -26,6 +26,7 @@ from typing import Any, Callable
 from torch import nn
 
 from distnorm.config import DistNormConfig, add_arguments
+from distnorm.consistency import register_partitioned
 from distnorm.plugin import DistNormPlugin, register_engine
 
 __all__ = ["prepare", "add_arguments"]
@@ -46,9 +47,19 @@ def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None
 
 def _follow_engine(plugin: DistNormPlugin, engine: Any) -> Callable[[], list[float]]:
     """AMAT reads ``engine.get_lr()[0]`` (ZeRO flattens the parameter groups); the plugin's
-    state travels in DeepSpeed's checkpoints."""
+    state travels in DeepSpeed's checkpoints; the periodic check also compares the engine's
+    optimizer state where it is replicated (ZeRO-0: the client optimizer itself)."""
     _carry_state_in_checkpoints(plugin, engine)
+    plugin.optimizer = getattr(engine, "optimizer", None)
     return lambda: [engine.get_lr()[0]] * len(plugin.amat_layers)
+
+
+def _zero3_partitioned(param: Any) -> bool:
+    """A ZeRO-3 parameter that lives as one shard per rank. Persistent ones (small
+    parameters ZeRO-3 keeps whole on every rank, ``ds_persist``) are replicated and are
+    compared. Both attributes are set alike on every rank when the engine partitions the
+    model, whatever is gathered at the moment of a check."""
+    return hasattr(param, "ds_id") and not getattr(param, "ds_persist", False)
 
 
 def _carry_state_in_checkpoints(plugin: DistNormPlugin, engine: Any) -> None:
@@ -82,3 +93,4 @@ except ImportError:  # prepare() says what to install
     pass
 else:
     register_engine(DeepSpeedEngine, _follow_engine)
+    register_partitioned(_zero3_partitioned)
