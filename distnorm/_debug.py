@@ -33,8 +33,13 @@ def debug(enabled: bool | None = None) -> bool:
 
     Example:
         >>> import distnorm
-        >>> previous = distnorm.debug(True)
-        >>> _ = distnorm.debug(previous)
+        >>> previous = distnorm.debug(True)       # on; returns the earlier setting
+        >>> distnorm.debug()                      # query
+        True
+        >>> distnorm.debug(previous)              # restore; returns the setting it replaces
+        True
+        >>> distnorm.debug() == previous
+        True
     """
     global _ENABLED
     previous = _ENABLED

@@ -253,7 +253,8 @@ def test_bnp_with_group_norm_resnet():
 
 
 # ------------------------------------------------------------------------------- timm
-TIMM_MODELS = ["efficientnet_b0", "mobilenetv3_large_100", "resnet50d"]
+#: timm models and their activation-module counts (the README quotes them).
+TIMM_MODELS = {"efficientnet_b0": 65, "mobilenetv3_large_100": 48, "resnet50d": 51}
 
 
 def _activation_count(model: nn.Module) -> int:
@@ -266,13 +267,14 @@ def _activation_count(model: nn.Module) -> int:
 def test_timm_batchnorm_act_keeps_its_activation(name):
     """Bug caught: timm's BatchNormAct2d (norm + activation in one module) was replaced as a
     plain BatchNorm and its activation dropped: efficientnet_b0 with norm='bn' kept 32 of its
-    65 activations, mobilenetv3_large_100 9 of 40 — silently a different network."""
+    65 activations — silently a different network."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10).eval()
     x = torch.randn(2, 3, 32, 32)
     reference = model(x)
     count = _activation_count(model)
+    assert count == TIMM_MODELS[name]  # the README's figure
     keys = set(model.state_dict())
     for norm in ("bn", "cbn", "popnorm", "gn", "none"):
         converted = distnorm.convert(copy.deepcopy(model), norm=norm)
@@ -286,3 +288,15 @@ def test_timm_batchnorm_act_keeps_its_activation(name):
     gates = sum(isinstance(m, (nn.Sigmoid, nn.Hardsigmoid)) for m in swapped.modules())
     assert tanh + gates == count and tanh > 0  # every activation swapped except SE gates
     assert distnorm.revert(swapped) is swapped and torch.equal(swapped.eval()(x), reference)
+
+
+def test_resnet50_conversion_summary_is_the_readmes():
+    """The README's conversion example, verbatim: torchvision ResNet-50 to pre-op CBN + tanh."""
+    import torchvision
+
+    model = torchvision.models.resnet50(num_classes=1000)
+    distnorm.convert(model, norm="cbn", activation="tanh", rho=2.0)
+    assert distnorm.conversion_summary(model) == {
+        "BatchNorm2d -> removed (pre-op CBN)": 53, "Conv2d -> CBN + Conv2d": 53, "ReLU -> Tanh": 17}
+    assert all(m.rho == 2.0 for m in model.modules() if isinstance(m, distnorm.CBN))
+    assert distnorm.revert(model) is model
