@@ -47,11 +47,19 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+class ContractViolation(RuntimeError):
+    """A batch-norm-family call the CUDA kernel would reject (raised instead of running it)."""
+
+
 class CudaContractChecker(TorchDispatchMode):
     """Record every batch-norm-family call whose arguments the CUDA kernel would reject.
 
-    ``violations`` lists ``(op, reason)``; ``calls`` counts the checked calls per op. Each
-    rule names the line of PyTorch's CUDA source (``aten/src/ATen/native/cuda/
+    ``violations`` lists ``(op, reason)``; ``calls`` counts the checked calls per op. A call
+    that breaks a rule is not run: it raises :class:`ContractViolation` (a ``RuntimeError``,
+    as CUDA's check would), so it fails its test instead of reaching a CPU kernel that was
+    never meant to see such arguments and may take the whole test process down with it (the
+    CPU backward on an empty training batch divides by N = 0: SIGFPE; with ``save_mean``
+    undefined in training it reads a null pointer: SIGSEGV). Each rule names the line of PyTorch's CUDA source (``aten/src/ATen/native/cuda/
     Normalization.cu`` / ``Normalization.cuh``) it stands for:
 
     * **no empty input** to ``native_batch_norm``, ``native_batch_norm_backward`` or
@@ -111,6 +119,7 @@ class CudaContractChecker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        before = len(self.violations)
         if func in CUDA_ONLY:
             self._fail(func, "CUDA-only kernel: the CPU path would differ")
         elif func is aten.native_batch_norm.default:
@@ -165,6 +174,8 @@ class CudaContractChecker(TorchDispatchMode):
             self._pair(func, rmean, rvar)
             if x.dtype in (torch.float16, torch.bfloat16) and (rmean is None or rmean.dtype != torch.float32):
                 self._fail(func, "fp16/bf16 input without float32 buffers: the CPU kernel returns fp16/bf16 statistics")
+        if len(self.violations) > before:
+            raise ContractViolation(f"CUDA would reject {func}: " + "; ".join(r for _, r in self.violations[before:]))
         out = func(*args, **kwargs)
         if func is aten.batch_norm_update_stats.default and out[0].dtype != _acc(args[0].dtype):
             self._fail(func, f"statistics came back as {out[0].dtype}")

@@ -84,8 +84,11 @@ def test_gradcheck_cbn_amat_history(shape):
 
 
 # ------------------------------------------------------ CBN / POP-Norm vs float64 reference
-def _compare_cbn_steps(module: nn.Module, shape, lrs, *, amat: bool, rho: float, r_max=3.0, seed=0, atol=1e-10):
-    """Run ``module`` and the reference for len(lrs) steps; compare everything."""
+def _compare_cbn_steps(module: nn.Module, shape, lrs, *, amat: bool, rho: float, r_max=3.0, seed=0, atol=1e-10,
+                       means=None):
+    """Run ``module`` and the reference for len(lrs) steps; compare everything. ``means``:
+    per step, exact per-channel batch means (each batch standardized, then shifted), so a
+    test can put a channel on a chosen side of a guard."""
     gen = torch.Generator().manual_seed(seed)
     c = shape[1]
     state = ref.CBNState(c)
@@ -95,8 +98,12 @@ def _compare_cbn_steps(module: nn.Module, shape, lrs, *, amat: bool, rho: float,
         module.weight.copy_(gamma)
         module.bias.copy_(beta)
     offsets = [2.0, -1.5, 0.01][:c] + [0.5] * max(0, c - 3)
-    for lr in lrs:
+    for step, lr in enumerate(lrs):
         x = _channel_offsets(torch.randn(*shape, generator=gen, dtype=torch.float64) * 1.5, offsets)
+        if means is not None:
+            dims = [0] + list(range(2, x.dim()))
+            z = (x - x.mean(dims, keepdim=True)) / x.std(dims, unbiased=False, keepdim=True)
+            x = _channel_offsets(z, means[step])
         gy = torch.randn(*shape, generator=gen, dtype=torch.float64)
         eta = F.amat_eta(lr, 10.0) if amat else 0.0
 
@@ -154,7 +161,10 @@ def test_cbn_without_amat_matches_reference():
 
 def test_cbn_ratio_guard_and_clamp_only_change_gradients():
     """A channel whose batch mean is ~0 (guarded) and one whose ratio exceeds r_max (clamped):
-    the forward value still uses the AMAT statistics exactly."""
+    the forward value still uses the AMAT statistics exactly, and the gradients are the
+    reference's. Bug caught: the guard reduced to its sign test (``ratio > 0``), so a batch
+    mean of 0.02 sd under an AMAT mean of 0.5 gave r_mu = clamp(25) = r_max instead of 1 —
+    missed by the random batches, whose ~0 channel never had both signs equal."""
     m = distnorm.CBN(2, r_max=1.5).double()
     m.set_lr(0.001)  # eta = 0.99
     m(torch.randn(64, 2, dtype=torch.float64) + torch.tensor([10.0, 0.0], dtype=torch.float64))
@@ -166,6 +176,9 @@ def test_cbn_ratio_guard_and_clamp_only_change_gradients():
     var_u = 0.99 * var_a + 0.01 * (x1**2).mean(0)
     torch.testing.assert_close(y, m.weight.detach() * x1 / torch.sqrt(var_u + 1e-5), atol=1e-12, rtol=0)
     _compare_cbn_steps(distnorm.CBN(2, r_max=1.5).double(), (64, 2), [0.001] * 4, amat=True, rho=1.0, r_max=1.5)
+    # Channel 1: mu_B = 0.02 sd (< 0.1 sd: guarded) of mu_U's sign; channel 0: a meaningful ratio.
+    _compare_cbn_steps(distnorm.CBN(2, r_max=1.5).double(), (64, 2), [0.001] * 3, amat=True, rho=1.0, r_max=1.5,
+                       means=[[1.0, 0.5], [1.2, 0.02], [0.9, 0.02]])
 
 
 def test_amat_eta_follows_learning_rate():

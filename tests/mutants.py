@@ -1,0 +1,563 @@
+"""Mutation check: deliberate one-line bugs, each against one claim, each caught by its tests.
+
+    make mutants                        # every mutant (a baseline run first)
+    make mutants MUTANTS_ARGS="--only eta-formula sha256-skipped"
+    .venv/bin/python tests/mutants.py --list
+
+tests/README.md asks that every claim's test be tried once against the bug it exists to
+catch. This script keeps those tries: each :class:`Mutant` is data — the claim (a row of
+tests/README.md's table or a README sentence), a file, the exact text to break and its
+replacement (one changed line; unchanged lines around it may be given to make the text
+unique), and the one or two tests that must fail.
+
+For each mutant the tracked and untracked-but-not-ignored files of the working tree
+(``git ls-files``) are copied to a fresh temporary directory, the patch is applied there, and
+the tests run with that copy as the working directory and first on ``PYTHONPATH`` — which
+gloo ranks, ``torchrun`` children and ``subprocess`` launches inherit — so every process
+imports the mutated ``distnorm``, not the checkout the virtualenv's editable install points
+at (checked for each mutant before its tests run: the mutated module must be imported from
+the copy and hold the replacement). No file of the checkout is changed.
+
+Outcomes: ``caught`` (the tests failed), ``MISSED`` (they passed: the test does not test the
+claim — strengthen it), ``BROKEN`` (the mutant does not import, or pytest could not collect or
+run the tests: the mutant proves nothing), ``TIMEOUT``. Before the mutants, the union of their
+selections runs once on an unmutated copy; a mutant whose selection fails there is reported
+as ``BASELINE`` (the test fails without the mutant). A mutant whose text is not found exactly
+once stops the run before anything runs, so the list cannot rot silently when the code
+changes. Exit status 0 only when every mutant was caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One deliberate bug.
+
+    Attributes:
+        id: short name (``--only``).
+        claim: the claim it breaks (a row of tests/README.md's table or a README sentence).
+        path: file to patch, relative to the repository root.
+        original: exact text, found exactly once in ``path``.
+        replacement: ``original`` with one line changed.
+        tests: pytest node ids that must fail (one or two, so the whole run stays short).
+    """
+
+    id: str
+    claim: str
+    path: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+
+
+LD = "tests/test_layers_distributed.py"
+KC = "tests/test_kernel_contracts.py"
+GP = "tests/test_gpu_paths.py"
+REL = "tests/test_reliability.py"
+
+MUTANTS: list[Mutant] = [
+    # ---------------------------------------------------------------- collectives
+    Mutant(
+        "extra-broadcast",
+        "one all-reduce forward, one backward, nothing else",
+        "distnorm/_collectives.py",
+        '    all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}")\n',
+        '    all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}"); '
+        "broadcast_from_first([packed], group)\n",
+        (f"{LD}::test_one_collective_forward_one_backward",),
+    ),
+    Mutant(
+        "backward-reduce-without-input-grad",
+        "one all-reduce backward, skipped when the input needs no gradient",
+        "distnorm/_functions.py",
+        "    if not need_input_grad:\n        return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias\n",
+        "    if False:\n        return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias\n",
+        (f"{LD}::test_one_collective_forward_one_backward",),
+    ),
+    Mutant(
+        "empty-rank-statistics",
+        "a rank with an empty batch joins the collectives and contributes nothing (no hang, no NaN)",
+        "distnorm/_collectives.py",
+        "    if local_count > 0:\n        mean, var = local_moments(x)\n",
+        "    if True:\n        mean, var = local_moments(x)\n",
+        (f"{LD}::test_empty_rank_joins_and_contributes_nothing[cbn]", f"{KC}::test_cuda_kernel_contract_when_synchronized"),
+    ),
+    Mutant(
+        "all-empty-guard",
+        "a rank with an empty batch joins the collectives and contributes nothing (no NaN): every rank empty",
+        "distnorm/_collectives.py",
+        "    ratios = packed / (count if local_count > 1 else count.clamp_min(1.0))  # [mean, E[x^2], 1]\n",
+        "    ratios = packed / count  # [mean, E[x^2], 1]\n",
+        (f"{LD}::test_every_rank_empty_changes_nothing",),
+    ),
+    Mutant(
+        "agreement-skipped",
+        "start-up agreement on configuration, world size, index and model structure, every rank raises",
+        "distnorm/_collectives.py",
+        "    value = torch.tensor([stable_hash(text)], dtype=torch.int64, device=device)\n"
+        "    if bool(all_agree(value, group).all()):\n",
+        "    value = torch.tensor([stable_hash(text)], dtype=torch.int64, device=device)\n"
+        "    if True:\n",
+        (f"{REL}::test_setup_mismatches_raise_on_every_rank[model-the model structure differs]",),
+    ),
+    # ------------------------------------------------------------ layer mathematics
+    Mutant(
+        "cbn-backward-count",
+        "CBN matches the float64 reference, 2 ranks equal 1 process (a wrong count in the backward)",
+        "distnorm/_functions.py",
+        "    return torch.div(a, count).neg_()\n",
+        "    return torch.div(a, count - 1.0).neg_()\n",
+        (f"{LD}::test_two_ranks_equal_one_process[NC-cbn]",),
+    ),
+    Mutant(
+        "amat-blend-reversed",
+        "CBN matches the float64 reference (AMAT's eta weighs the history)",
+        "distnorm/_functions.py",
+        "        var_u = torch.lerp(var_b, var_a, eta)\n",
+        "        var_u = torch.lerp(var_a, var_b, eta)\n",
+        ("tests/test_layers.py::test_cbn_matches_reference[shape0]",),
+    ),
+    Mutant(
+        "ratio-guard-dropped",
+        "CBN matches the float64 reference (mu_U / mu_B used only where meaningful)",
+        "distnorm/_functions.py",
+        "        meaningful = (ratio > 0) & (torch.addcmul(var_x, mu_b, mu_b, value=-100.0) < -eps)\n",
+        "        meaningful = ratio > 0\n",
+        ("tests/test_layers.py::test_cbn_ratio_guard_and_clamp_only_change_gradients",),
+    ),
+    Mutant(
+        "eta-formula",
+        "AMAT's eta = clip(1 - omega * lr, 0, 1)",
+        "distnorm/functional.py",
+        "    return min(max(1.0 - omega * lr, 0.0), 1.0)\n",
+        "    return min(max(1.0 - lr / omega, 0.0), 1.0)\n",
+        ("tests/test_layers.py::test_amat_eta_follows_learning_rate",),
+    ),
+    Mutant(
+        "bnp-local-moments",
+        "BNP moments from all-reduced statistics: 2 ranks equal 1 process",
+        "distnorm/bnp.py",
+        "    moments = _collectives.global_moments(h, state.group(), layer=f\"BNP '{state.name}'\")\n",
+        "    moments = _collectives.global_moments(h, None, layer=f\"BNP '{state.name}'\")\n",
+        ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
+    ),
+    # ------------------------------------------------------------ kernel contracts, host syncs
+    Mutant(
+        "empty-eval-batch-kernel",
+        "every call meets the CUDA kernels' contracts (an empty batch)",
+        "distnorm/_functions.py",
+        "    if x.numel() == 0:\n        # Kernel contract (Normalization.cuh, batch_norm_elemt_cuda_template)",
+        "    if False:\n        # Kernel contract (Normalization.cuh, batch_norm_elemt_cuda_template)",
+        (f"{KC}::test_an_empty_batch_calls_no_kernel_that_cuda_rejects[cbn]",),
+    ),
+    Mutant(
+        "empty-rank-forward-kernel",
+        "every call meets the CUDA kernels' contracts (an empty rank synchronized)",
+        "distnorm/_functions.py",
+        "    if x.numel() == 0:  # a rank without samples (kernel contract: no empty input, see channel_affine)\n",
+        "    if False:  # a rank without samples (kernel contract: no empty input, see channel_affine)\n",
+        (f"{KC}::test_cuda_kernel_contract_when_synchronized",),
+    ),
+    Mutant(
+        "backward-save-mean-undefined",
+        "every call meets the CUDA kernels' contracts (defined save_mean / save_invstd)",
+        "distnorm/_functions.py",
+        "            grad_out, x, invstd, None, None, center, invstd, True, state.eps, [False, True, True])\n",
+        "            grad_out, x, invstd, None, None, None, None, True, state.eps, [False, True, True])\n",
+        (f"{KC}::test_every_call_meets_the_cuda_kernel_contract[dtype0-cbn]",),
+    ),
+    Mutant(
+        "host-sync-eta",
+        "no path synchronizes with the host (torch.tensor(eta, device=...) in functional.cbn)",
+        "distnorm/functional.py",
+        '    eta_t = eta if eta_given else torch.full((), float(eta), dtype=b.amat_mean.dtype, device=x.device)\n',
+        '    eta_t = eta if eta_given else torch.tensor(float(eta), dtype=b.amat_mean.dtype, device=x.device)\n',
+        (f"{GP}::test_no_host_sync_on_any_per_step_path",),
+    ),
+    Mutant(
+        "checkpoint-recompute-updates",
+        "activation checkpointing: buffers updated once per step",
+        "distnorm/_functions.py",
+        "    if replay and in_backward():\n        return state.stash.pop(x.shape, state.name)\n",
+        "    if False:\n        return state.stash.pop(x.shape, state.name)\n",
+        (f"{GP}::test_checkpointing_equals_plain_and_updates_buffers_once[False]",),
+    ),
+    Mutant(
+        "compile-reads-lr",
+        "a changing learning rate does not recompile (the plugin's hook runs outside the graph)",
+        "distnorm/plugin.py",
+        "    @torch.compiler.disable\n    def _before_forward(",
+        "    @(lambda f: f)  # was @torch.compiler.disable\n    def _before_forward(",
+        (f"{GP}::test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes",),
+    ),
+    # ------------------------------------------------------------------- plugin, config
+    Mutant(
+        "plugin-config-disagreement",
+        "the plugin compares its configuration across ranks (a ValueError on every rank)",
+        "distnorm/plugin.py",
+        "        if self._config_checked or not _collectives.is_distributed():\n",
+        "        if True:\n",
+        ("tests/test_plugin.py::test_ranks_with_different_configurations_are_refused",),
+    ),
+    Mutant(
+        "amat-lr-wrong-group",
+        "follow(optimizer): AMAT reads the learning rate of the parameter group holding each layer",
+        "distnorm/plugin.py",
+        "            index = [where.get(id(m.weight), 0) for m in self.amat_layers]\n",
+        "            index = [0 for m in self.amat_layers]\n",
+        ("tests/test_plugin.py::test_each_amat_layer_follows_the_group_holding_its_weight",),
+    ),
+    Mutant(
+        "consistency-skips-a-buffer",
+        "check_consistency compares every buffer of a distnorm layer",
+        "distnorm/consistency.py",
+        "        for name in names:\n            buf = module._buffers.get(name)\n",
+        "        for name in names[:-1]:\n            buf = module._buffers.get(name)\n",
+        ("tests/test_consistency.py::test_check_consistency_local_is_a_count",),
+    ),
+    Mutant(
+        "spec-field-without-flag",
+        "every spec field is reachable from the CLI, the environment, YAML and recipe overrides",
+        "distnorm/config.py",
+        "            for sf in fields(SECTIONS[f.name]):\n",
+        '            for sf in [s for s in fields(SECTIONS[f.name]) if s.name != "r_max"]:\n',
+        ("tests/test_integrations.py::test_every_spec_field_is_reachable_from_every_front_end[cbn]",),
+    ),
+    Mutant(
+        "key-given-twice",
+        "a key given twice on the command line is refused",
+        "distnorm/train/config.py",
+        "        given.setdefault(dotted.strip(), []).append(raw)\n",
+        "        given[dotted.strip()] = [raw]\n",
+        ("tests/test_train.py::test_a_key_given_twice_is_refused_naming_the_shell_expansion",),
+    ),
+    # ------------------------------------------------------------------- data, evaluation
+    Mutant(
+        "eval-sample-dropped-silently",
+        "an unreadable sample raises (on_error='raise') or is skipped and counted (on_error='skip')",
+        "distnorm/data/loaders.py",
+        '        log.failure(f"shard {url} sample {key}", err)\n',
+        "        pass\n",
+        ("tests/test_data.py::test_undecodable_image_and_bad_label",),
+    ),
+    Mutant(
+        "masked-samples-counted",
+        "evaluation counts each real sample once, padding nowhere",
+        "distnorm/data/evaluation.py",
+        "            m = mask.double()\n",
+        "            m = torch.ones_like(mask, dtype=torch.float64)\n",
+        ("tests/test_data.py::test_undecodable_image_and_bad_label",),
+    ),
+    # ------------------------------------------------------------ recipe: faults, checkpoints
+    Mutant(
+        "config-disagreement-accepted",
+        "ranks whose training configurations differ stop before the first training collective",
+        "distnorm/train/loop.py",
+        '        "the training configuration": json.dumps(config, sort_keys=True, default=str),\n',
+        '        "the training configuration": "",\n',
+        (f"{REL}::test_mismatch_is_detected_before_the_first_training_collective[config]",),
+    ),
+    Mutant(
+        "nan-loss-unchecked",
+        "a NaN loss stops every rank before the backward",
+        "distnorm/train/loop.py",
+        "            finite = _all_finite(loss_value, run.world, loss.device)\n",
+        "            finite = True\n",
+        (f"{REL}::test_non_finite_loss_stops_every_rank_naming_the_step_and_layer",),
+    ),
+    Mutant(
+        "sha256-skipped",
+        "a corrupt checkpoint is detected and skipped",
+        "distnorm/train/checkpoint.py",
+        '        if _sha256(path) != meta["sha256"]:\n',
+        "        if False:\n",
+        (f"{REL}::test_corrupt_latest_checkpoint_falls_back_to_the_previous[flipped byte]",),
+    ),
+    Mutant(
+        "full-disk-swallowed",
+        "a full disk while checkpointing stops every rank cleanly, naming the free space",
+        "distnorm/train/checkpoint.py",
+        "        except Exception as err:  # noqa: BLE001 - torch.save / safetensors report a full disk in their own types\n"
+        "            failure = _describe_write_failure(err, tmp)\n",
+        "        except Exception as err:  # noqa: BLE001 - torch.save / safetensors report a full disk in their own types\n"
+        '            failure = ""\n',
+        (f"{REL}::test_full_disk_while_checkpointing_stops_every_rank_cleanly",),
+    ),
+    Mutant(
+        "console-at-info",
+        "the console shows the epoch summaries, no library INFO lines",
+        "distnorm/train/cli.py",
+        "    logging.getLogger().setLevel(value)\n",
+        "    logging.getLogger().setLevel(logging.INFO)\n",
+        ("tests/test_train.py::test_demo_path_end_to_end",),
+    ),
+    Mutant(
+        "resume-ignores-position",
+        "kill -9 and restart resumes exactly (mid-epoch)",
+        "distnorm/train/loop.py",
+        "    run.train_loader.set_epoch(epoch, skip_batches=skip)\n",
+        "    run.train_loader.set_epoch(epoch, skip_batches=0)\n",
+        ("tests/test_train.py::test_kill_mid_epoch_and_resume_continues_exactly",),
+    ),
+]
+
+
+# ------------------------------------------------------------------------ mechanics
+def _module_name(path: str) -> str:
+    return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def _changed_lines(m: Mutant) -> tuple[str, str]:
+    """The line of ``m.original`` that ``m.replacement`` changes, and what it becomes (stripped)."""
+    diff = list(difflib.ndiff(m.original.splitlines(), m.replacement.splitlines()))
+    old = next((line[2:].strip() for line in diff if line[:1] == "-"), "")
+    new = next((line[2:].strip() for line in diff if line[:1] == "+"), "")
+    return old, new
+
+
+def check_mutants(mutants: list[Mutant], root: Path) -> list[str]:
+    """Problems with the list against the tree at ``root``: text not found exactly once, or a
+    replacement that changes other than exactly one line."""
+    problems = []
+    ids = [m.id for m in mutants]
+    for dup in sorted({i for i in ids if ids.count(i) > 1}):
+        problems.append(f"{dup}: id used twice")
+    for m in mutants:
+        path = root / m.path
+        if not path.is_file():
+            problems.append(f"{m.id}: {m.path} does not exist")
+            continue
+        found = path.read_text().count(m.original)
+        if found != 1:
+            problems.append(f"{m.id}: the original text is found {found} times in {m.path} (must be exactly once):\n"
+                            + "".join(f"      {line}\n" for line in m.original.splitlines()))
+        old, new = m.original.splitlines(), m.replacement.splitlines()
+        changed = [line for line in difflib.ndiff(old, new) if line[:1] in "+-"]
+        if len(old) != len(new) or len(changed) != 2:
+            problems.append(f"{m.id}: the replacement must change exactly one line")
+        if not m.tests:
+            problems.append(f"{m.id}: no tests")
+    return problems
+
+
+def tree_files(root: Path) -> list[str]:
+    """Tracked files and untracked files git does not ignore, as they are in the working tree."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                         check=True, capture_output=True).stdout.decode()
+    return [p for p in out.split("\0") if p and (root / p).is_file()]
+
+
+def make_copy(files: list[str], dest: Path) -> None:
+    for rel in files:
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, target)
+
+
+def env_for(copy: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(copy)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # no stale bytecode can outlive a patch
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+def imported_from_copy(copy: Path, module: str, expect: str | None) -> str | None:
+    """``None`` if, in a process started elsewhere with the copy's environment, ``distnorm``
+    and ``module`` are imported from ``copy`` (and ``module``'s source holds ``expect``);
+    else what went wrong."""
+    code = ("import importlib, inspect, sys, distnorm\n"
+            f"m = importlib.import_module({module!r})\n"
+            "print(distnorm.__file__); print(m.__file__)\n"
+            f"expect = {expect!r}\n"
+            "sys.exit(0 if expect is None or expect in inspect.getsource(m) else 3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd="/", env=env_for(copy), capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode == 3:
+        return f"{module} imported without the replacement"
+    if proc.returncode != 0:
+        return f"import {module} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+    paths = proc.stdout.split()
+    outside = [p for p in paths if not Path(p).resolve().is_relative_to(copy.resolve())]
+    return f"imported from outside the copy: {outside}" if outside else None
+
+
+@dataclass
+class Result:
+    status: str  # caught | MISSED | BROKEN | TIMEOUT | BASELINE
+    seconds: float
+    detail: str = ""
+
+
+def run_pytest(copy: Path, tests: tuple[str, ...], report: Path, *, stop_first: bool, timeout: float,
+               log: Path) -> tuple[int | None, dict[str, str]]:
+    """Run ``tests`` in ``copy``; return pytest's exit code (``None`` on timeout) and the
+    outcome of each test case that did not pass (from the JUnit report)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", "-rfE",
+           *(["-x"] if stop_first else []), *tests]
+    with open(log, "w") as out:
+        try:
+            code: int | None = subprocess.run(cmd, cwd=copy, env=env_for(copy), stdout=out, stderr=subprocess.STDOUT,
+                                              timeout=timeout, start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    outcomes: dict[str, str] = {}
+    if report.is_file():
+        for case in ET.parse(report).iter("testcase"):
+            for kind in ("failure", "error"):
+                if case.find(kind) is not None:
+                    outcomes[f"{case.get('classname')}::{case.get('name')}"] = kind
+    return code, outcomes
+
+
+def _tail(log: Path, lines: int = 25) -> str:
+    text = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    return "\n".join("      " + line for line in text[-lines:])
+
+
+def run_mutant(m: Mutant, files: list[str], work: Path, timeout: float) -> Result:
+    started = time.monotonic()
+    copy = work / m.id
+    make_copy(files, copy)
+    target = copy / m.path
+    target.write_text(target.read_text().replace(m.original, m.replacement, 1))
+    module = _module_name(m.path)
+    if m.path.startswith("distnorm/"):
+        problem = imported_from_copy(copy, module, _changed_lines(m)[1])
+    else:
+        problem = None
+        try:
+            compile(target.read_text(), str(target), "exec")
+        except SyntaxError as err:
+            problem = f"syntax error: {err}"
+    if problem is not None:
+        return Result("BROKEN", time.monotonic() - started, problem)
+    log = work / f"{m.id}.log"
+    code, outcomes = run_pytest(copy, m.tests, work / f"{m.id}.xml", stop_first=True, timeout=timeout, log=log)
+    seconds = time.monotonic() - started
+    if code is None:
+        return Result("TIMEOUT", seconds, f"no result in {timeout:.0f} s; log: {log}")
+    if code == 0:
+        return Result("MISSED", seconds, f"{len(m.tests)} test(s) passed with the bug in place")
+    if code == 1 and outcomes:
+        first = next(iter(outcomes))
+        return Result("caught", seconds, f"{first.rsplit('.', 1)[-1]} ({outcomes[first]})")
+    fatal = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("Fatal Python error")]
+    if code < 0 or fatal:  # the bug took the test process down: the selection failed, without a report
+        return Result("caught", seconds, f"the test process crashed ({fatal[0] if fatal else f'signal {-code}'})")
+    return Result("BROKEN", seconds, f"pytest exit {code} (collection or usage error); log: {log}\n{_tail(log)}")
+
+
+def baseline(mutants: list[Mutant], files: list[str], work: Path, timeout: float) -> tuple[set[str], float, str]:
+    """Run the union of the selections once on an unmutated copy; the failing node ids."""
+    started = time.monotonic()
+    copy = work / "_baseline"
+    make_copy(files, copy)
+    problem = imported_from_copy(copy, "distnorm", None)
+    if problem is not None:
+        raise SystemExit(f"mutants: the copy is not what the tests import ({problem}); nothing would be tested")
+    tests = tuple(dict.fromkeys(t for m in mutants for t in m.tests))
+    log = work / "_baseline.log"
+    code, outcomes = run_pytest(copy, tests, work / "_baseline.xml", stop_first=False, timeout=timeout * len(tests),
+                                log=log)
+    seconds = time.monotonic() - started
+    if code is None:
+        raise SystemExit(f"mutants: the baseline run did not finish; log: {log}")
+    if code not in (0, 1):
+        raise SystemExit(f"mutants: the baseline run could not collect or run the tests (pytest exit {code}):\n{_tail(log, 40)}")
+    failing = {t for t in tests if any(_same_test(t, o) for o in outcomes)}
+    if code == 1 and not failing:
+        failing = set(tests)  # failed, but the report names nothing we can match: trust no test
+    return failing, seconds, str(log)
+
+
+def _same_test(node: str, junit_name: str) -> bool:
+    """Whether pytest node id ``tests/test_x.py::test_y[p]`` is JUnit's ``tests.test_x::test_y[p]``."""
+    path, _, name = node.partition("::")
+    return junit_name == f"{_module_name(path)}::{name}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tests/mutants.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="ID", help="run these mutants only")
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutant (default 900)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies and logs")
+    args = parser.parse_args(argv)
+
+    problems = check_mutants(MUTANTS, REPO)
+    if problems:
+        print("mutants: the list no longer matches the code; fix these entries in tests/mutants.py:", file=sys.stderr)
+        for p in problems:
+            print(f"  {p}", file=sys.stderr)
+        return 2
+    mutants = MUTANTS
+    if args.only:
+        unknown = sorted(set(args.only) - {m.id for m in MUTANTS})
+        if unknown:
+            print(f"mutants: unknown id(s) {unknown}; see --list", file=sys.stderr)
+            return 2
+        mutants = [m for m in MUTANTS if m.id in args.only]
+    if args.list:
+        for m in mutants:
+            before, after = _changed_lines(m)
+            print(f"{m.id}\n    claim: {m.claim}\n    {m.path}:\n      - {before}\n      + {after}")
+            for t in m.tests:
+                print(f"    must fail: {t}")
+        return 0
+
+    files = tree_files(REPO)
+    work = Path(tempfile.mkdtemp(prefix="distnorm-mutants-"))
+    started = time.monotonic()
+    print(f"mutants: {len(mutants)} mutant(s); copies of {len(files)} files under {work}", flush=True)
+    failing: set[str] = set()
+    try:
+        if not args.no_baseline:
+            failing, seconds, log = baseline(mutants, files, work, args.timeout)
+            note = f"failing without any mutant: {sorted(failing)} (log: {log})" if failing else "all pass"
+            print(f"baseline ({seconds:.0f} s): {note}", flush=True)
+        results: dict[str, Result] = {}
+        for m in mutants:
+            if failing & set(m.tests):
+                results[m.id] = Result("BASELINE", 0.0, "its tests fail without the mutant")
+            else:
+                results[m.id] = run_mutant(m, files, work, args.timeout)
+            r = results[m.id]
+            print(f"  {m.id:<36} {r.status:<8} {r.seconds:6.0f} s  {r.detail}", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    total = time.monotonic() - started
+    width = max(len(m.id) for m in mutants)
+    print()
+    print(f"| {'mutant':<{width}} | result   | s    | claim |")
+    print(f"|{'-' * (width + 2)}|----------|------|-------|")
+    for m in mutants:
+        r = results[m.id]
+        print(f"| {m.id:<{width}} | {r.status:<8} | {r.seconds:4.0f} | {m.claim} |")
+    caught = sum(r.status == "caught" for r in results.values())
+    print(f"\n{caught} of {len(mutants)} caught in {total / 60:.1f} min"
+          + ("" if caught == len(mutants) else
+             f"; not caught: {', '.join(f'{i} ({r.status})' for i, r in results.items() if r.status != 'caught')}"))
+    return 0 if caught == len(mutants) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
