@@ -158,6 +158,41 @@ def test_empty_rank_joins_and_contributes_nothing(tmp_path, kind):
             assert torch.isfinite(value.double()).all(), name
 
 
+def _every_rank_empty_worker(rank, world):
+    """An ordinary step, then one in which no rank holds a sample."""
+    out = {}
+    gen = torch.Generator().manual_seed(rank)
+    for kind in ("cbn", "popnorm", "syncbn", "bnp"):
+        if kind == "bnp":
+            module = nn.Conv2d(3, 4, 1).double()
+            distnorm.bnp.attach(module)
+        else:
+            module = _make(kind)
+            distnorm.set_lr(module, 0.01)  # eta = 0.9: the second step takes AMAT's history path
+        module(torch.randn(4, 3, 2, 2, generator=gen, dtype=torch.float64)).square().sum().backward()
+        before = _buffers(module)
+        module.zero_grad()
+        empty = torch.zeros(0, 3, 2, 2, dtype=torch.float64, requires_grad=True)
+        y = module(empty)
+        y.square().sum().backward()
+        assert y.shape[0] == 0 and empty.grad.shape == empty.shape, kind
+        for name, value in _buffers(module).items():
+            assert torch.equal(value, before[name]), (kind, name, before[name], value)
+        for name, p in module.named_parameters():
+            assert torch.isfinite(p.grad).all() and not p.grad.any(), (kind, name, p.grad)
+        out[kind] = before
+    return out
+
+
+@pytest.mark.world_size(2)
+def test_every_rank_empty_changes_nothing(tmp_path):
+    """A global batch without a single sample (every rank empty) changes no buffer and gives
+    zero, finite parameter gradients. Bug caught: the 0 / 0 guard of the all-reduced count
+    dropped — NaN statistics, hidden from the buffers by the validity mask but not from CBN /
+    POP-Norm's bias gradient or BNP's moments (``lerp(buffer, NaN, 0)`` is NaN)."""
+    run_distributed(_every_rank_empty_worker, 2, tmp_path)
+
+
 @pytest.mark.world_size(3)
 def test_sub_group_process_group(tmp_path):
     """Ranks {0, 1} synchronize with each other; rank 2 alone runs locally."""
