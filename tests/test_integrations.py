@@ -291,3 +291,51 @@ def test_buffer_broadcast_stays_on_while_local_batchnorms_remain(caplog):
     assert plugin.local_running_stats == ["1"]
     handler, _ = handler_after(distnorm.DistNormConfig(norm="bn"))
     assert handler.broadcast_buffers is False
+
+
+# ------------------------------------------- DeepSpeed against one plain process
+@pytest.mark.timeout(300)
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("zero, clip", [
+    pytest.param(0, 0.2, id="zero0-clip"),     # clipping that bites for every kind (norms 0.2-0.7)
+    pytest.param(3, 0.0, id="zero3-noclip"),   # every parameter sharded, no clipping
+])
+def test_deepspeed_equals_one_plain_process_with_and_without_plugin(tmp_path, zero, clip):
+    """Bug report: a CBN model given to ``deepspeed.initialize`` without the plugin ended 4
+    steps 0.1-0.7 relative away from one process. The cause was DeepSpeed's default gradient
+    clipping at norm 1.0 (DeepSpeed 0.19), which the plain reference did not apply; the plugin
+    tests compared DeepSpeed with DeepSpeed on one rank, which clips alike. Here one
+    plain-PyTorch process (SGD, LambdaLR, ``clip_grad_norm_`` where DeepSpeed clips) is the
+    reference for every model kind, on the bare path and the plugin path, in one 2-rank
+    process group per ZeRO stage."""
+    from tests.distributed import run_distributed
+    from tests.engines import deepspeed_compare as C
+
+    ranks = run_distributed(C.worker, 2, tmp_path, zero, clip, timeout=240)
+    for kind in C.KINDS:
+        single = C.reference(kind, clip)
+        if clip:  # the clipping is exercised, not idle
+            assert max(single["grad_norms"]) > clip, (kind, single["grad_norms"])
+        for path in ("bare", "plugin"):
+            split = [r[f"{kind}/{path}"] for r in ranks]
+            where = f"{kind}, {path}, ZeRO-{zero}"
+            for r in split:
+                assert r["lrs"] == pytest.approx(single["lrs"], rel=1e-12), where
+                for part in ("params", "buffers"):
+                    assert r[part].keys() == single[part].keys(), where
+                    for name, value in single[part].items():
+                        torch.testing.assert_close(r[part][name], value, **TOL, msg=f"{where}: {name}")
+            mean_loss = torch.tensor([r["losses"] for r in split]).mean(0)
+            torch.testing.assert_close(mean_loss, torch.tensor(single["losses"]), **TOL, msg=where)
+            for name, value in split[0]["buffers"].items():  # no broadcast needed
+                assert torch.equal(value, split[1]["buffers"][name]), f"{where}: {name}"
+            # The check compares buffers, replicated parameters and replicated optimizer
+            # state: ZeRO-0 keeps all of them on every rank, ZeRO-3 shards the parameters
+            # (and their optimizer state), which are then left out rather than compared.
+            params = len(single["params"])
+            expected = split[0]["buffers_checked"] + (2 * params if zero == 0 else 0)
+            assert split[0]["checked"] == expected, where
+    if zero == 0:  # a weight drifted on rank 1: the plugin's check stops both ranks, naming it
+        for r in ranks:
+            name, message = r["cbn/plugin"]["drift_error"]
+            assert f"{name}: ranks [0] | [1]" in message, message
