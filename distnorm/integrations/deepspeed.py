@@ -16,6 +16,17 @@ because DeepSpeed does not broadcast buffers at initialisation and ZeRO-3 checkp
 one copy of the buffers per rank, broadcasts distnorm's buffers from rank 0 now and after
 every ``engine.load_checkpoint``, then verifies them. The plugin's own state is saved in the
 checkpoint's ``client_state["distnorm"]``.
+
+Without the plugin, a model built from distnorm's layers (or :func:`distnorm.convert`-ed,
+with :func:`distnorm.bnp.attach`) given straight to ``deepspeed.initialize`` trains exactly
+as well: call ``distnorm.set_lr(engine, engine.get_lr()[0])`` before each step for AMAT.
+What the plugin adds is that learning rate, the buffer broadcast after checkpoint loads, the
+periodic consistency check and the configuration flags — no numerical difference.
+
+Comparing with a plain PyTorch loop: DeepSpeed 0.19 clips the global gradient norm to 1.0
+unless the JSON config sets ``"gradient_clipping"`` (``0`` turns it off); a plain loop
+does not clip. Set it to ``0``, or clip the reference with
+``torch.nn.utils.clip_grad_norm_(params, 1.0)``, before expecting the two to agree.
 """
 
 from __future__ import annotations
