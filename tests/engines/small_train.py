@@ -150,6 +150,9 @@ def run_deepspeed(args, cfg) -> dict:
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": args.zero},
         "zero_allow_untested_optimizer": True,
+        # No "gradient_clipping": DeepSpeed's default (norm 1.0 in 0.19) applies to the 2-rank
+        # run and to its 1-rank reference alike. Against a plain PyTorch loop, see
+        # tests/engines/deepspeed_compare.py.
         "scheduler": {"type": "WarmupDecayLR", "params": {
             "warmup_min_lr": 0.005, "warmup_max_lr": 0.05, "warmup_num_steps": 3,
             "total_num_steps": 12, "warmup_type": "linear"}},
