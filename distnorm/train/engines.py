@@ -173,6 +173,9 @@ class DeepSpeedEngine(Engine):
                     "defines the optimizer and learning-rate schedule"
                 )
         ds_config.setdefault("zero_allow_untested_optimizer", True)
+        # DeepSpeed clips the global gradient norm to 1.0 unless told otherwise; the recipe
+        # does not clip on the other engines, so the same config trains the same way on each.
+        ds_config.setdefault("gradient_clipping", 0.0)
         self.plugin = dn.prepare(model, cfg.distnorm)
         optimizer = _optimizer(cfg, model)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, steps_per_epoch))
