@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-gpu test-cluster demo bench clean
+.PHONY: install test test-gpu test-cluster demo bench clean mutants
 
 install: $(STAMP)
 
@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not cluster" --doctest-modules --ignore=distnorm/train/__main__.py tests distnorm $(PYTEST_ARGS)
+
+# Mutation check, not part of `make test` (tests/mutants.py): deliberate one-line bugs, each
+# against a README claim, applied one at a time to a temporary copy of the tree; each must make
+# its one or two tests fail. MUTANTS_ARGS: e.g. --list, --only ID..., --no-baseline.
+mutants: $(STAMP)
+	$(PY) tests/mutants.py $(MUTANTS_ARGS)
 
 # Multi-host runs on simulated hosts (network namespaces; needs root): every launch path
 # across two hosts, faults across hosts, and what the network costs (tc netem).
