@@ -20,11 +20,14 @@ the copy and hold the replacement). No file of the checkout is changed.
 
 Outcomes: ``caught`` (the tests failed), ``MISSED`` (they passed: the test does not test the
 claim — strengthen it), ``BROKEN`` (the mutant does not import, or pytest could not collect or
-run the tests: the mutant proves nothing), ``TIMEOUT``. Before the mutants, the union of their
-selections runs once on an unmutated copy; a mutant whose selection fails there is reported
-as ``BASELINE`` (the test fails without the mutant). A mutant whose text is not found exactly
-once stops the run before anything runs, so the list cannot rot silently when the code
-changes. Exit status 0 only when every mutant was caught.
+run the tests: the mutant proves nothing), ``SKIPPED`` (every test was skipped on this
+machine), ``TIMEOUT``. Before the mutants, the union of their selections runs once on an
+unmutated copy; a mutant whose selection fails (or is skipped) there is reported as
+``BASELINE``. A crash of the test process (a signal, ``Fatal Python error``) counts as caught.
+A mutant whose text is not found exactly once stops the run before anything runs, so the
+list cannot rot silently when the code changes. The copies and logs are removed unless
+``--keep`` is given or a mutant was not caught. Exit status 0 only when every mutant was
+caught.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import difflib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -399,7 +403,7 @@ def imported_from_copy(copy: Path, module: str, expect: str | None) -> str | Non
 
 @dataclass
 class Result:
-    status: str  # caught | MISSED | BROKEN | TIMEOUT | BASELINE
+    status: str  # caught | MISSED | BROKEN | SKIPPED | TIMEOUT | BASELINE
     seconds: float
     detail: str = ""
 
@@ -407,22 +411,43 @@ class Result:
 def run_pytest(copy: Path, tests: tuple[str, ...], report: Path, *, stop_first: bool, timeout: float,
                log: Path) -> tuple[int | None, dict[str, str]]:
     """Run ``tests`` in ``copy``; return pytest's exit code (``None`` on timeout) and the
-    outcome of each test case that did not pass (from the JUnit report)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", "-rfE",
-           *(["-x"] if stop_first else []), *tests]
+    outcome of each test case that did not pass (``failure``, ``error`` or ``skipped``, from
+    the JUnit report). On a timeout or an interrupt the whole process group goes (ranks and
+    launchers the tests started included)."""
+    # --basetemp beside the copy: this run's tmp_path trees go with it, apart from other sessions'.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", "-rfEs",
+           f"--basetemp={copy}.tmp", *(["-x"] if stop_first else []), *tests]
     with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=copy, env=env_for(copy), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            code: int | None = subprocess.run(cmd, cwd=copy, env=env_for(copy), stdout=out, stderr=subprocess.STDOUT,
-                                              timeout=timeout, start_new_session=True).returncode
+            code: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             code = None
+        except BaseException:
+            _kill_group(proc)
+            raise
+        _kill_group(proc)  # whatever the tests left running in their session
     outcomes: dict[str, str] = {}
     if report.is_file():
         for case in ET.parse(report).iter("testcase"):
-            for kind in ("failure", "error"):
+            for kind in ("failure", "error", "skipped"):
                 if case.find(kind) is not None:
                     outcomes[f"{case.get('classname')}::{case.get('name')}"] = kind
     return code, outcomes
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def _ran(report: Path) -> int:
+    """How many test cases the JUnit report lists."""
+    return sum(1 for _ in ET.parse(report).iter("testcase")) if report.is_file() else 0
 
 
 def _tail(log: Path, lines: int = 25) -> str:
@@ -452,11 +477,14 @@ def run_mutant(m: Mutant, files: list[str], work: Path, timeout: float) -> Resul
     seconds = time.monotonic() - started
     if code is None:
         return Result("TIMEOUT", seconds, f"no result in {timeout:.0f} s; log: {log}")
+    failed = {name: kind for name, kind in outcomes.items() if kind != "skipped"}
     if code == 0:
+        if outcomes and len(outcomes) == _ran(work / f"{m.id}.xml"):
+            return Result("SKIPPED", seconds, f"every test was skipped; log: {log}")
         return Result("MISSED", seconds, f"{len(m.tests)} test(s) passed with the bug in place")
-    if code == 1 and outcomes:
-        first = next(iter(outcomes))
-        return Result("caught", seconds, f"{first.rsplit('.', 1)[-1]} ({outcomes[first]})")
+    if code == 1 and failed:
+        first = next(iter(failed))
+        return Result("caught", seconds, f"{first.rsplit('.', 1)[-1]} ({failed[first]})")
     fatal = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("Fatal Python error")]
     if code < 0 or fatal:  # the bug took the test process down: the selection failed, without a report
         return Result("caught", seconds, f"the test process crashed ({fatal[0] if fatal else f'signal {-code}'})")
@@ -480,7 +508,9 @@ def baseline(mutants: list[Mutant], files: list[str], work: Path, timeout: float
         raise SystemExit(f"mutants: the baseline run did not finish; log: {log}")
     if code not in (0, 1):
         raise SystemExit(f"mutants: the baseline run could not collect or run the tests (pytest exit {code}):\n{_tail(log, 40)}")
-    failing = {t for t in tests if any(_same_test(t, o) for o in outcomes)}
+    failing = {t for t in tests if any(_same_test(t, o) for o, kind in outcomes.items() if kind != "skipped")}
+    skipped = {t for t in tests if any(_same_test(t, o) for o, kind in outcomes.items() if kind == "skipped")}
+    failing |= skipped  # a skipped test cannot catch anything here
     if code == 1 and not failing:
         failing = set(tests)  # failed, but the report names nothing we can match: trust no test
     return failing, seconds, str(log)
@@ -527,21 +557,23 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     print(f"mutants: {len(mutants)} mutant(s); copies of {len(files)} files under {work}", flush=True)
     failing: set[str] = set()
+    results: dict[str, Result] = {}
     try:
         if not args.no_baseline:
             failing, seconds, log = baseline(mutants, files, work, args.timeout)
-            note = f"failing without any mutant: {sorted(failing)} (log: {log})" if failing else "all pass"
+            note = f"failing or skipped without any mutant: {sorted(failing)} (log: {log})" if failing else "all pass"
             print(f"baseline ({seconds:.0f} s): {note}", flush=True)
-        results: dict[str, Result] = {}
         for m in mutants:
             if failing & set(m.tests):
-                results[m.id] = Result("BASELINE", 0.0, "its tests fail without the mutant")
+                results[m.id] = Result("BASELINE", 0.0, "its tests fail (or are skipped) without the mutant")
             else:
                 results[m.id] = run_mutant(m, files, work, args.timeout)
             r = results[m.id]
             print(f"  {m.id:<36} {r.status:<8} {r.seconds:6.0f} s  {r.detail}", flush=True)
     finally:
-        if not args.keep:
+        if args.keep or len(results) < len(mutants) or any(r.status != "caught" for r in results.values()):
+            print(f"copies and logs kept in {work}", flush=True)
+        else:
             shutil.rmtree(work, ignore_errors=True)
 
     total = time.monotonic() - started
