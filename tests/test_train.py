@@ -56,7 +56,7 @@ def test_demo_path_end_to_end(tmp_path, digits):
     assert [line[:9] for line in proc.stdout.splitlines() if line.startswith("epoch ")] == ["epoch 1/2", "epoch 2/2"]
     assert " INFO " not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     evals = _records(run, "eval")
-    assert len(evals) == 2 and evals[-1]["count"] == 360 and evals[-1]["top1"] > 30
+    assert len(evals) == 2 and evals[-1]["count"] == 360 and evals[-1]["top1"] > 70  # 84.2 % measured 2026-11-23; varies across machines
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     assert verify_checkpoint(latest) is None
     assert (run / "config.yaml").is_file()
