@@ -138,8 +138,11 @@ class NormPlan(NamedTuple):
         center: subtracted from ``x`` (``mean`` for BN, ``mu_U - beta`` for CBN).
         var: variance the output divides by (``sqrt(var + eps)``).
         invstd: ``1 / sqrt(var + eps)``.
-        grad_scale: ``a``, the factor of ``g`` in the input gradient.
-        grad_coef: ``(2, 2, C)``, maps the global ``[S1, T]`` to ``[D, B]``.
+        grad_scale: ``a``, the factor of ``g`` in the input gradient — except for
+            unsynchronized BN, whose backward is ATen's own: there, the weight (ones without
+            affine) that kernel takes.
+        grad_coef: ``(2, 2, C)``, maps the global ``[S1, T]`` to ``[D, B]`` (zeros, unread,
+            for unsynchronized BN).
         beta_coef: ``q * d`` of CBN's ``dbeta = a * (S1 - q d T)`` (local sums); empty for BN.
     """
 
