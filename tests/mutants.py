@@ -89,8 +89,8 @@ MUTANTS: list[Mutant] = [
         "backward-reduce-without-input-grad",
         "one all-reduce backward, skipped when the input needs no gradient",
         "distnorm/_functions.py",
-        "    if not need_input_grad:\n        return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias\n",
-        "    if False:\n        return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias\n",
+        "    if not need_input_grad:\n        return torch.empty(0, dtype=x.dtype, device=x.device),",
+        "    if False:\n        return torch.empty(0, dtype=x.dtype, device=x.device),",
         (f"{LD}::test_one_collective_forward_one_backward",),
     ),
     Mutant(
@@ -99,7 +99,8 @@ MUTANTS: list[Mutant] = [
         "distnorm/_collectives.py",
         "    if local_count > 0:\n        mean, var = local_moments(x)\n",
         "    if True:\n        mean, var = local_moments(x)\n",
-        (f"{LD}::test_empty_rank_joins_and_contributes_nothing[cbn]", f"{KC}::test_cuda_kernel_contract_when_synchronized"),
+        (f"{LD}::test_empty_rank_joins_and_contributes_nothing[cbn]",
+         f"{KC}::test_cuda_kernel_contract_when_synchronized"),
     ),
     Mutant(
         "all-empty-guard",
@@ -294,13 +295,14 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "full-disk-swallowed",
-        "a full disk while checkpointing stops every rank cleanly, naming the free space",
+        "a full disk (or any failed write) while checkpointing stops every rank cleanly, naming the free space",
         "distnorm/train/checkpoint.py",
-        "        except Exception as err:  # noqa: BLE001 - torch.save / safetensors report a full disk in their own types\n"
-        "            failure = _describe_write_failure(err, tmp)\n",
-        "        except Exception as err:  # noqa: BLE001 - torch.save / safetensors report a full disk in their own types\n"
-        '            failure = ""\n',
-        (f"{REL}::test_full_disk_while_checkpointing_stops_every_rank_cleanly",),
+        "safetensors report a full disk in their own types\n            failure = _describe_write_failure(err, tmp)\n",
+        'safetensors report a full disk in their own types\n            failure = ""\n',
+        # The tmpfs test (test_full_disk_while_checkpointing_stops_every_rank_cleanly) passes with
+        # this bug: there the manifest's own write hits the full disk and reports it.
+        (f"{REL}::test_a_failed_checkpoint_write_stops_every_rank_and_leaves_the_previous_latest[0-iostream]",
+         f"{REL}::test_a_failed_checkpoint_write_stops_every_rank_and_leaves_the_previous_latest[1-iostream]"),
     ),
     Mutant(
         "console-at-info",
@@ -395,7 +397,8 @@ def imported_from_copy(copy: Path, module: str, expect: str | None) -> str | Non
     if proc.returncode == 3:
         return f"{module} imported without the replacement"
     if proc.returncode != 0:
-        return f"import {module} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        return f"import {module} failed: {last}"
     paths = proc.stdout.split()
     outside = [p for p in paths if not Path(p).resolve().is_relative_to(copy.resolve())]
     return f"imported from outside the copy: {outside}" if outside else None
@@ -507,7 +510,8 @@ def baseline(mutants: list[Mutant], files: list[str], work: Path, timeout: float
     if code is None:
         raise SystemExit(f"mutants: the baseline run did not finish; log: {log}")
     if code not in (0, 1):
-        raise SystemExit(f"mutants: the baseline run could not collect or run the tests (pytest exit {code}):\n{_tail(log, 40)}")
+        raise SystemExit(f"mutants: the baseline run could not collect or run the tests (pytest exit {code}):\n"
+                         f"{_tail(log, 40)}")
     failing = {t for t in tests if any(_same_test(t, o) for o, kind in outcomes.items() if kind != "skipped")}
     skipped = {t for t in tests if any(_same_test(t, o) for o, kind in outcomes.items() if kind == "skipped")}
     failing |= skipped  # a skipped test cannot catch anything here

@@ -299,3 +299,47 @@ def test_full_disk_while_checkpointing_stops_every_rank_cleanly(tmp_path, digits
         print(f"FIGURE full-disk: both ranks exited {codes} after {elapsed:.1f} s; {line.strip()[:200]}")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.parametrize("error", ["iostream", "ENOSPC"])
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_failed_checkpoint_write_stops_every_rank_and_leaves_the_previous_latest(tmp_path, error, failing_rank):
+    """The write stage alone, on a disk with room left: ``torch.save`` reports a full disk as
+    ``RuntimeError: ... iostream error`` after part of a file was written, and one rank's write
+    can fail while the others' succeed (two ranks simulated: ``gather`` returns both ranks'
+    failure texts). Bug caught: that error swallowed — rank 0 then wrote a manifest of the
+    partial files, and a truncated checkpoint verified and became ``latest``. (The tmpfs test
+    above does not see it: there the manifest's own write hits the full disk.)"""
+    import errno
+
+    from distnorm.train.checkpoint import CheckpointManager, CheckpointWriteError, verify_checkpoint
+
+    def manager(rank: int, other_failure: str = "") -> CheckpointManager:
+        def gather(text: str) -> list[str]:
+            return [text, other_failure] if rank == 0 else [other_failure, text]
+        return CheckpointManager(tmp_path / "ckpt", keep_last=2, is_main=rank == 0, barrier=lambda: None, gather=gather)
+
+    def good(directory: Path, state: dict) -> None:
+        (directory / f"rank{failing_rank}.bin").write_bytes(b"x" * 1000)
+
+    def failing(directory: Path, state: dict) -> None:
+        (directory / f"rank{failing_rank}.bin").write_bytes(b"x" * 300)  # part of the file made it
+        if error == "ENOSPC":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 320 vs 300: basic_ios::clear: "
+                           "iostream error")
+
+    first = manager(0).save(1, {"step": 1}, good)
+    (tmp_path / "ckpt" / "step_000000002.tmp").mkdir()  # as rank 0 creates it before any rank writes
+    with pytest.raises(CheckpointWriteError) as info:  # the rank whose write failed
+        manager(failing_rank).save(2, {"step": 2}, failing)
+    message = str(info.value)
+    assert "checkpoint step_000000002 was not written" in message and f"rank {failing_rank}: " in message, message
+    assert "MiB free" in message and ("iostream error" if error == "iostream" else "no space left") in message
+    if failing_rank == 1:  # rank 0, whose own write succeeded, raises too (and removes the partial directory)
+        with pytest.raises(CheckpointWriteError, match="rank 1: "):
+            manager(0, other_failure=message.splitlines()[1].split(": ", 1)[1]).save(2, {"step": 2}, good)
+    root = tmp_path / "ckpt"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000001"]  # no partial directory left
+    assert (root / "latest").read_text() == "step_000000001" and verify_checkpoint(first) is None
+    assert manager(0).find_resumable()[0] == first
