@@ -30,6 +30,8 @@ from torch import nn
 
 import distnorm
 from distnorm.specs import BNPSpec, CBNSpec
+from tests.engines.small_train import NUM_CLASSES
+from tests.engines.small_train import make_model as base_model  # the same small CNN
 
 #: Model kinds: what ``dn.prepare`` is given (a DistNormConfig's norm / spec and BNP) and
 #: what the bare script does by hand with the same objects.
@@ -42,20 +44,10 @@ KINDS: dict[str, dict[str, Any]] = {
 STEPS = 4
 GLOBAL_BATCH = 8
 LR = 0.05
-NUM_CLASSES = 5
 
 
 def lr_factor(step: int) -> float:
     return 0.7 ** step  # lr 0.05, 0.035, ...: AMAT's eta = 1 - 10 lr moves every step
-
-
-def base_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.Tanh(),
-        nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.Tanh(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, NUM_CLASSES),
-    )
 
 
 def bare_model(kind: str) -> nn.Module:
