@@ -393,7 +393,7 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     local_count = x.numel() // channels if channels else 0
     if group is None:
         if local_count == 0:  # kernel contract: CUDA's statistics kernel rejects N = 0
-            mean = var = torch.zeros(channels, dtype=acc, device=x.device)
+            mean, var = torch.zeros(2, channels, dtype=acc, device=x.device).unbind()  # two tensors, not one
             return Moments(0, mean, var, False)
         mean, var = local_moments(x)
         if _debug.is_debug():
