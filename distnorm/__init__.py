@@ -54,6 +54,7 @@ from distnorm.errors import (
 )
 from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
 from distnorm.plugin import DistNormPlugin, ddp_kwargs
+from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __version__ = "0.1.0"
 
@@ -70,6 +71,11 @@ __all__ = [
     "PreNorm",
     "DistNormConfig",
     "DistNormPlugin",
+    "CBNSpec",
+    "POPNormSpec",
+    "SyncBNSpec",
+    "GNSpec",
+    "BNPSpec",
     "add_arguments",
     "ddp_kwargs",
     "norm_group",

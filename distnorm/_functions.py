@@ -1,4 +1,4 @@
-"""The mathematics of the layers: per-step statistics ("plans"), and one autograd Function.
+"""The mathematics of the layers: per-step statistics ("plans"), the forward and the backward.
 
 Every synchronized layer runs the same plan, chosen so that a training step issues exactly
 one collective in the forward and one in the backward, saves only its input plus
@@ -13,7 +13,7 @@ statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
     recomputes a forward during the backward pass; such a recomputation reuses the stashed
     plan of the first forward instead (:mod:`distnorm._recompute`).
 
-forward (:class:`NormalizeFunction`)
+forward (:func:`forward_output`; the autograd glue is :class:`distnorm._autograd.NormalizeFunction`)
     ``y = scale * (x - center) / sqrt(var + eps) + shift``: ATen's inference batch norm,
     one fused pass for every input rank, memory format and dtype.
 
@@ -52,26 +52,23 @@ twins; every call below gives them what CUDA needs, on every device, and
 
 from __future__ import annotations
 
-import math
+import copy
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
 __all__ = [
-    "BNPGradientFunction",
     "NormPlan",
     "NormState",
-    "NormalizeFunction",
     "bn_statistics",
-    "bnp_precondition",
     "cbn_statistics",
     "channel_affine",
+    "forward_output",
     "normalize_backward",
 ]
 
@@ -86,7 +83,8 @@ class NormState:
     Attributes:
         kind: ``"bn"`` (batch normalization) or ``"cbn"`` (CBN / POP-Norm).
         name: the layer's name in error messages.
-        eps, momentum, rho, r_max: hyper-parameters (``rho = kappa`` for POP-Norm).
+        eps, momentum: hyper-parameters.
+        rho, r_max: CBN's (``rho = kappa``, ``r_max = 1`` for POP-Norm); ``None`` for BN.
         process_group, sync: what to synchronize over.
         history: AMAT blends in history at this step (``eta > 0``); known from ``set_lr``.
         amat_ready: the AMAT buffers are initialised on every rank (the host saw it happen).
@@ -97,8 +95,8 @@ class NormState:
     name: str
     eps: float
     momentum: float | None
-    rho: float = 1.0
-    r_max: float = 3.0
+    rho: float | None = None
+    r_max: float | None = None
     process_group: ProcessGroup | None = None
     sync: bool = True
     history: bool = False
@@ -121,8 +119,6 @@ class NormState:
         self.stash = Stash()
 
     def __deepcopy__(self, memo: dict) -> "NormState":
-        import copy
-
         new = NormState.__new__(NormState)
         state = self.__getstate__()
         group = state.pop("process_group")
@@ -468,168 +464,3 @@ def _local_batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: to
     if not need_input_grad:
         grad_x = torch.empty(0, dtype=x.dtype, device=x.device)
     return grad_x, grad_weight, grad_bias
-
-
-class NormalizeFunction(torch.autograd.Function):
-    """``y = scale * (x - center) / sqrt(var + eps) + shift`` with the statistics' backward.
-
-    Inputs after ``(x, weight, bias)`` are a :class:`NormPlan` (no gradient flows into it:
-    its dependence on ``x`` and the parameters is in the hand-written backward) and the
-    layer's :class:`NormState`.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                center: torch.Tensor, var: torch.Tensor, invstd: torch.Tensor, grad_scale: torch.Tensor,
-                grad_coef: torch.Tensor, beta_coef: torch.Tensor, state: NormState) -> torch.Tensor:
-        y = forward_output(x, weight, bias, center, var, state)
-        ctx.save_for_backward(x, center, invstd, grad_scale, grad_coef, beta_coef)
-        ctx.state = state
-        ctx.weight_dtype = weight.dtype if weight is not None else None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        if not torch.compiler.is_compiling():
-            ctx.stashed = state.pending  # keeps the stashed plan alive as long as this node
-            state.pending = None
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from distnorm import _ops
-
-        x, center, invstd, grad_scale, grad_coef, beta_coef = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x, grad_w, grad_b = _ops.normalize_backward(
-            grad_out.contiguous(memory_format=_memory_format(x)), x, center, invstd, grad_scale, grad_coef,
-            beta_coef, need_x, ctx.state)
-        return (
-            grad_x if need_x else None,
-            _acc(grad_w, ctx.weight_dtype) if need_w else None,
-            _acc(grad_b, ctx.bias_dtype) if need_b else None,
-            None, None, None, None, None, None, None,
-        )
-
-
-def _memory_format(x: torch.Tensor) -> torch.memory_format:
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
-# -------------------------------------------------------------------------------- BNP
-class BNPGradientFunction(torch.autograd.Function):
-    """Identity on ``(weight, bias)`` in the forward; BNP's preconditioner in the backward.
-
-    The layer computes its output from the *returned* aliases, so the gradients that reach
-    this Function are the layer's plain ``(G_w, G_b)`` for this backward pass; it returns
-    ``(1/q²) P Pᵀ [G_b; G_w]`` (see :func:`bnp_precondition`), which autograd accumulates
-    into ``weight.grad`` / ``bias.grad``. Every optimizer and engine therefore sees the
-    preconditioned gradient, and nothing runs at ``optimizer.step()``.
-
-    ``q2`` depends on the layer's output size, known only after its forward: in eager mode
-    it arrives through a holder object filled by the layer's forward hook before any
-    backward runs; under ``torch.compile`` (which traces the backward at once) it is a
-    tensor computed from the size the layer's class is known to produce.
-
-    The map is linear and built from rank-consistent statistics, so applying it on each
-    rank before the data-parallel average (as here) equals applying it after.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
-                var_t: torch.Tensor, q2: Any, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if isinstance(q2, torch.Tensor):
-            ctx.save_for_backward(mean, var_t, q2)
-            ctx.holder = None
-        else:
-            ctx.save_for_backward(mean, var_t)
-            ctx.holder = q2
-        ctx.groups = groups
-        return weight.view_as(weight), (bias.view_as(bias) if bias is not None else None)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_weight: torch.Tensor, grad_bias: torch.Tensor | None) -> tuple[Any, ...]:
-        mean, var_t, *q2 = ctx.saved_tensors
-        q2 = q2[0] if q2 else ctx.holder.q2
-        if grad_weight is None:
-            return None, grad_bias, None, None, None, None
-        if ctx.needs_input_grad[1] and grad_bias is None:
-            grad_bias = torch.zeros(grad_weight.shape[0], dtype=grad_weight.dtype, device=grad_weight.device)
-        new_weight, new_bias = bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=ctx.groups)
-        return new_weight, new_bias, None, None, None, None
-
-
-def bnp_precondition(
-    grad_weight: torch.Tensor,
-    grad_bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    var_t: torch.Tensor,
-    q2: torch.Tensor | float,
-    *,
-    groups: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """BNP's gradient transform ``(1/q²) P Pᵀ [G_b; G_w]`` (paper 004, Eq. 15; SPEC §5).
-
-    With ``P = [[1, -mu^T], [0, I]] · diag(1, 1/sqrt(var_t))``, per output channel ``d`` and
-    input channel ``p`` of its group (kernel positions share their channel's statistics)::
-
-        G_w[d, p, ...] <- (G_w[d, p, ...] - mu[p] * G_b[d]) / (q2 * var_t[p])
-        G_b[d]         <- G_b[d] / q2 - sum_{p, ...} mu[p] * G_w_new[d, p, ...]
-
-    Without a bias only the scaling ``G_w / (q2 * var_t)`` applies.
-
-    Args:
-        grad_weight: ``(C_out, C_in / groups, *kernel)`` (conv) or ``(out, in)`` (dense).
-        grad_bias: ``(C_out,)`` or ``None``.
-        mean, var_t: per-input-channel moments, length ``C_in`` (``var_t`` already
-            regularised: ``var + eps1 * max(var) + eps2``).
-        q2: the block-norm scale ``q²`` (0-dim tensor or float).
-        groups: convolution groups; output channel ``d`` sees input channels of group
-            ``d // (C_out / groups)`` (depthwise: ``groups = C_in``).
-
-    Returns:
-        The preconditioned ``(grad_weight, grad_bias)`` in their original dtypes.
-    """
-    out_channels = grad_weight.shape[0]
-    compute = torch.promote_types(grad_weight.dtype, torch.float32)
-    per_group = mean.numel() // groups
-    if grad_weight.dim() < 2 or grad_weight.shape[1] != per_group or out_channels % groups:
-        raise ValueError(
-            f"bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)} does not match "
-            f"{mean.numel()} input channels in {groups} group(s)"
-        )
-    shape = (out_channels, per_group) + (1,) * (grad_weight.dim() - 2)
-    mu, vt = mean.to(compute), var_t.to(compute)
-    if groups > 1:  # row d of the per-(output, input-channel) statistics: its group's channels
-        mu = mu.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
-        vt = vt.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
-    else:
-        mu, vt = mu.view(1, -1), vt.view(1, -1)
-    denominator = (vt * q2).view((-1,) + shape[1:]) if groups > 1 else (vt * q2).view((1,) + shape[1:])
-    gw = _acc(grad_weight, compute)
-    if grad_bias is None:
-        return (gw / denominator).to(grad_weight.dtype), None
-    gb = _acc(grad_bias, compute)
-    # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
-    # backward at one extra weight gradient per layer).
-    new_w = torch.addcmul(gw, mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
-    new_w.div_(denominator)
-    # sum_{p, kernel} mu[p] * new_w[d, p, kernel]: reduce the kernel first, then a row dot.
-    per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
-    new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)
-    return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)
-
-
-def bnp_q2(count: int | torch.Tensor, fan_in: int, in_spatial: tuple[int, ...],
-           out_spatial: tuple[int, ...] | None) -> float | torch.Tensor:
-    """BNP's ``q² = max(fan_in / N, floor)`` from the global count of input values per
-    channel: dense ``N = count``, floor 1; conv ``N = count / (H_in W_in)``, floor
-    ``sqrt(H_out W_out)`` (SPEC §5). A host count gives a float, a device count a tensor."""
-    numerator = float(fan_in) if out_spatial is None else float(fan_in * max(math.prod(in_spatial), 1))
-    floor = 1.0 if out_spatial is None else math.sqrt(math.prod(out_spatial))
-    if isinstance(count, int):
-        return max(numerator / max(count, 1), floor)
-    return torch.clamp_min(numerator / count.clamp_min(1.0), floor)

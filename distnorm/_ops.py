@@ -23,10 +23,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from distnorm import _functions
+from distnorm import _bnp_functions, _functions
+from distnorm._bnp_functions import BNPLayerState
 from distnorm._functions import NormPlan, NormState
 
-__all__ = ["bn_statistics", "bnp_statistics", "cbn_statistics", "normalize_backward", "register", "state_of"]
+__all__ = ["bn_statistics", "bnp_statistics", "cbn_statistics", "no_grad_input", "normalize_backward", "register",
+           "state_of"]
 
 _STATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
@@ -114,9 +116,7 @@ def _(grad_out, x, center, invstd, grad_scale, grad_coef, beta_coef, need_input_
 
 def bnp_statistics_impl(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
     """What ``torch.ops.distnorm.bnp_statistics`` runs (named, so tests can count its ops)."""
-    from distnorm import bnp
-
-    new_mean, var_t, count = bnp.layer_statistics(h, mean, var, state_of(key), replay=False)
+    new_mean, var_t, count = _bnp_functions.layer_statistics(h, mean, var, state_of(key), replay=False)
     if not isinstance(count, Tensor):  # a host count (local statistics): an operator returns tensors
         # torch.full, not torch.tensor: a fill kernel instead of a host-to-device copy + sync
         count = torch.full((), float(count), dtype=new_mean.dtype, device=new_mean.device)
@@ -135,6 +135,13 @@ def _(h, mean, var, key):
 # --------------------------------------------------------------- eager or operator
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+def no_grad_input(t: Tensor | None) -> Tensor | None:
+    """What a statistics step receives. Eager: the tensor itself (the step runs under
+    ``no_grad``: no graph, no extra op). Compiled: a detached tensor, since the custom
+    operators have no autograd formula of their own."""
+    return t.detach() if t is not None and _compiling() else t
 
 
 def bn_statistics(x: Tensor, weight: Tensor | None, running_mean: Tensor | None, running_var: Tensor | None,
@@ -164,9 +171,7 @@ def normalize_backward(grad_out: Tensor, x: Tensor, center: Tensor, invstd: Tens
     return _functions.normalize_backward(*args, state)
 
 
-def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: object) -> tuple[Tensor, Tensor, Tensor]:
+def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: BNPLayerState) -> tuple[Tensor, Tensor, Tensor]:
     if _compiling():
         return torch.ops.distnorm.bnp_statistics(h, mean, var, state.key)  # type: ignore[attr-defined]
-    from distnorm import bnp
-
-    return bnp.layer_statistics(h, mean, var, state)
+    return _bnp_functions.layer_statistics(h, mean, var, state)

@@ -4,30 +4,59 @@ Model surgery (BNP attachment, normalization conversion) must happen before a mo
 wrapped: DDP records the parameter list and its gradient buckets at construction, and
 DeepSpeed / FSDP partition or flatten parameters, so parameters added or replaced afterwards
 would silently not be synchronized or not be optimized.
+
+PyTorch's own wrappers are registered here; an engine library's integration
+(``distnorm.integrations.<library>``) registers that library's wrappers with
+:func:`register_wrapper`, and is imported the first time a module of that library is met,
+so the core never names an engine it does not ship with.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
+import torch.distributed.fsdp as fsdp
 from torch import nn
 
-__all__ = ["wrapper_name", "refuse_wrapped"]
+__all__ = ["register_wrapper", "refuse_wrapped", "wrapper_name"]
 
-# Matched by class name so that detecting them never imports the (optional) engines.
-_WRAPPERS = {
-    "DistributedDataParallel": "torch DistributedDataParallel",
-    "DataParallel": "torch DataParallel",
-    "FullyShardedDataParallel": "torch FSDP",
-    "DeepSpeedEngine": "DeepSpeed",
-    "PipelineEngine": "DeepSpeed",
-}
+_WRAPPERS: list[tuple[type, str]] = []
+_LIBRARIES_SEEN: set[str] = {"torch", "builtins", "__main__"}
+
+
+def register_wrapper(kind: type, label: str) -> None:
+    """Treat instances of ``kind`` (and subclasses) as a wrapped model named ``label``."""
+    if all(k is not kind for k, _ in _WRAPPERS):
+        _WRAPPERS.append((kind, label))
+
+
+register_wrapper(nn.parallel.DistributedDataParallel, "torch DistributedDataParallel")
+register_wrapper(nn.DataParallel, "torch DataParallel")
+register_wrapper(fsdp.FullyShardedDataParallel, "torch FSDP")
+if hasattr(fsdp, "FSDPModule"):  # fully_shard (FSDP2), torch >= 2.6
+    register_wrapper(fsdp.FSDPModule, "torch FSDP (fully_shard)")
+
+
+def _load_integration(module: nn.Module) -> None:
+    """Import ``distnorm.integrations.<library>`` for the library ``module`` comes from, once,
+    so that it has registered its wrappers."""
+    library = type(module).__module__.partition(".")[0]
+    if library in _LIBRARIES_SEEN:
+        return
+    _LIBRARIES_SEEN.add(library)
+    name = f"distnorm.integrations.{library}"
+    if importlib.util.find_spec(name) is not None:
+        importlib.import_module(name)
 
 
 def wrapper_name(model: nn.Module) -> str | None:
     """The engine that wraps ``model`` (or any of its submodules), or ``None``."""
     for module in model.modules():
-        for cls in type(module).__mro__:
-            if cls.__name__ in _WRAPPERS:
-                return _WRAPPERS[cls.__name__]
+        _load_integration(module)
+        for kind, label in _WRAPPERS:
+            if isinstance(module, kind):
+                return label
     return None
 
 

@@ -19,7 +19,7 @@ synchronized layers' packing):
   ``max(c_in k_h k_w / N, sqrt(H_out W_out))`` (conv; ``c_in`` is the per-group fan-in,
   ``N`` the global batch size).
 
-In the backward, :class:`distnorm._functions.BNPGradientFunction` replaces ``(G_w, G_b)``
+In the backward, :class:`distnorm._bnp_functions.BNPGradientFunction` replaces ``(G_w, G_b)``
 by ``(1/q²) P Pᵀ [G_b; G_w]``. Because the statistics are all-reduced, the map is the same
 linear map on every rank, so it commutes with the data-parallel gradient average: DDP,
 Accelerate and every DeepSpeed ZeRO stage see exactly the gradient single-process training
@@ -50,19 +50,17 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from distnorm import _collectives, _ops
-from distnorm import functional  # not torch.nn.functional: distnorm's own
+from distnorm import _ops
+from distnorm._bnp_functions import BNPGradientFunction, BNPLayerState, bnp_q2
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import BNPGradientFunction, bnp_q2
-from distnorm._recompute import Stash, StashedPlan, in_backward
+from distnorm._recompute import StashedPlan
 from distnorm._wrappers import refuse_wrapped
-from distnorm.specs import BNPSpec
+from distnorm.specs import BNPSpec, register_builder
 
 __all__ = ["BNPHandle", "attach", "SUPPORTED_LAYERS"]
 
@@ -83,85 +81,17 @@ class _Q2:
         self.stashed = stashed  # the autograd node holds the holder: the stashed plan lives as long
 
 
-@dataclass(eq=False)
-class _LayerState:
-    """What BNP keeps per preconditioned layer (stored as ``module._distnorm_bnp``)."""
-
-    name: str
-    config: BNPSpec
-    process_group: ProcessGroup | None
-    added_bias: bool
-    dense: bool
-    fan_in: int  # per-group input channels x kernel size
-    groups: int
-    hooks: list = field(default_factory=list)
-    stash: Stash = field(default_factory=Stash)
-    pending: StashedPlan | None = None
-    holder: _Q2 | None = None
-    count: Any = None
-    in_spatial: tuple[int, ...] = ()
-    active: Any = None  # (mean, var_t, q2) during a training forward
-    aliases: Any = None  # the preconditioned (weight, bias) of that forward
-    called: bool = False
-    key: int = -1
-
-    def group(self) -> ProcessGroup | None:
-        return _collectives.sync_group(self.process_group)
-
-
-@torch.no_grad()
-def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Tensor, state: _LayerState,
-                     replay: bool = True) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """One BNP statistics step on a layer input ``h``; returns ``(mean, var_t, count)``.
-
-    ``mean <- rho mean + (1 - rho) mean_H``, ``var <- rho var + (1 - rho) var_H`` (buffers,
-    updated in place once per step) and ``var_t = var + eps1 max(var) + eps2``. A
-    recomputed forward (activation checkpointing) reuses the first forward's result; when
-    there was none — the first pass of reentrant checkpointing runs without gradients,
-    where BNP does nothing — this is the step's only statistics pass.
-    """
-    if replay and in_backward() and len(state.stash):
-        return state.stash.pop(h.shape, f"BNP '{state.name}'")
-    moments = _collectives.global_moments(h, state.group(), layer=f"BNP '{state.name}'")
-    count, batch_mean, batch_var, _ = moments
-    local = h.numel() // h.shape[1] if h.shape[1] else 0
-    cfg = state.config
-    weight = 1.0 - cfg.decay
-    batch_mean = batch_mean.to(mean_buf.dtype)
-    if local <= 1:
-        # A global batch of one value per feature: the variance is measured around the
-        # running mean instead (paper 004 §3.3); an all-empty batch changes nothing.
-        if isinstance(count, int):  # local statistics: the host knows the count (no sync)
-            if count == 1:
-                batch_var = (batch_mean - mean_buf) ** 2
-            weight = weight if count > 0 else 0.0
-        else:
-            batch_var = torch.where(count == 1, (batch_mean - mean_buf) ** 2, batch_var.to(var_buf.dtype))
-            weight = weight * (count > 0).to(mean_buf.dtype)
-    new_mean = mean_buf.lerp(batch_mean, weight)
-    new_var = var_buf.lerp(batch_var.to(var_buf.dtype), weight)
-    mean_buf.copy_(new_mean)
-    var_buf.copy_(new_var)
-    var_t = torch.add(new_var, new_var.max(), alpha=cfg.eps1).add_(cfg.eps2)
-    result = (new_mean, var_t, count if isinstance(count, int) else count[0])
-    if replay:
-        stashed = StashedPlan(result, h.shape)
-        state.stash.push(stashed, grad_enabled=True)
-        state.pending = stashed
-    return result
-
-
 def _pre_forward(module: nn.Module, args: tuple) -> None:
     """Before the layer's own forward: this step's statistics (one collective).
 
     The layer keeps its own ``forward`` (a subclass's too). During the call, its
     ``weight`` and ``bias`` attributes read aliases returned by
-    :class:`~distnorm._functions.BNPGradientFunction`, whose backward preconditions the
+    :class:`~distnorm._bnp_functions.BNPGradientFunction`, whose backward preconditions the
     gradient on its way to the Parameters (see :func:`_preconditioned_class`). The aliases
     are made at the first read inside the forward, after every other pre-forward hook —
     DeepSpeed ZeRO-3 gathers partitioned parameters in one of those.
     """
-    state: _LayerState = module._distnorm_bnp
+    state: BNPLayerState = module._distnorm_bnp
     state.called = True
     state.active = None
     if not (module.training and torch.is_grad_enabled()):
@@ -171,7 +101,7 @@ def _pre_forward(module: nn.Module, args: tuple) -> None:
             module._buffers[buf] = module._buffers[buf].float()
     x = args[0]
     h = x.reshape(-1, x.shape[-1]) if state.dense else x
-    mean, var_t, count = _ops.bnp_statistics(functional.no_grad_input(h),
+    mean, var_t, count = _ops.bnp_statistics(_ops.no_grad_input(h),
                                              module.bnp_mean, module.bnp_var, state)
     state.count, state.in_spatial = count, tuple(x.shape[2:])
     if torch.compiler.is_compiling():
@@ -187,7 +117,7 @@ def _pre_forward(module: nn.Module, args: tuple) -> None:
 
 def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The preconditioned aliases of this forward, made once at the first read."""
-    state: _LayerState = module.__dict__["_distnorm_bnp"]
+    state: BNPLayerState = module.__dict__["_distnorm_bnp"]
     if state.aliases is None:
         mean, var_t, q2 = state.active
         params = module._parameters
@@ -228,7 +158,7 @@ def _preconditioned_class(cls: type) -> type:
 def _post_forward(module: nn.Module, args: tuple, output: Any) -> None:
     """After the forward (also after an exception): drop the aliases; ``q²`` from the
     output's real spatial size (exact for subclasses that pad or reshape)."""
-    state: _LayerState = module._distnorm_bnp
+    state: BNPLayerState = module._distnorm_bnp
     state.active = state.aliases = None
     holder, state.holder = state.holder, None
     if not isinstance(output, torch.Tensor) or state.count is None:
@@ -263,13 +193,16 @@ class BNPHandle:
     """The result of :func:`attach`: the preconditioned layers and how to undo it.
 
     Attributes:
-        config: the hyper-parameters.
+        config: the hyper-parameters (``config.exclude``: the name patterns given).
         layers: qualified name → preconditioned module.
+        exclude: everything ``exclude=`` gave: name patterns, module types, modules.
     """
 
-    def __init__(self, model: nn.Module, config: BNPSpec, layers: dict[str, nn.Module], root_hook: Any):
+    def __init__(self, model: nn.Module, config: BNPSpec, layers: dict[str, nn.Module], root_hook: Any,
+                 exclude: tuple[Any, ...] = ()):
         self._model = model
         self.config = config
+        self.exclude = exclude
         self.layers = layers
         self._root_hook = root_hook
         self._attached = True
@@ -289,7 +222,7 @@ class BNPHandle:
         changed = []
         self._root_hook.remove()
         for name, module in self.layers.items():
-            state: _LayerState = module._distnorm_bnp
+            state: BNPLayerState = module._distnorm_bnp
             for hook in state.hooks:
                 hook.remove()
             module.__class__ = module._distnorm_original_class
@@ -321,9 +254,11 @@ class BNPHandle:
         if not self._attached:
             raise RuntimeError("bnp: this handle was detached; attach again before loading state")
         values = dict(state["config"])
-        if "momentum" in values:  # saved before the spec named it by its direction
+        if "momentum" in values:  # saved before BNP's history weight was called decay everywhere
+            warnings.warn("bnp: this state was saved with the former key 'momentum'; it is read as 'decay' "
+                          "(save it again to update it)", FutureWarning, stacklevel=2)
             values["decay"] = values.pop("momentum")
-        saved = BNPSpec(**values)
+        saved = BNPSpec(**values, exclude=self.config.exclude)
         if saved != self.config:
             raise ValueError(f"bnp: saved configuration {saved} differs from the attached {self.config}")
         missing = set(self.layers) ^ set(state["layers"])
@@ -355,13 +290,14 @@ def _saved_config(spec: BNPSpec) -> dict[str, Any]:
 def attach(
     model: nn.Module,
     *,
-    momentum: float = BNPSpec.decay,
+    decay: float = BNPSpec.decay,
     eps1: float = BNPSpec.eps1,
     eps2: float = BNPSpec.eps2,
     add_bias: bool = BNPSpec.add_bias,
     layers: tuple[type[nn.Module], ...] = SUPPORTED_LAYERS,
-    exclude: Iterable[Any] = (),
+    exclude: Iterable[Any] = BNPSpec.exclude,
     process_group: ProcessGroup | None = None,
+    momentum: float | None = None,
 ) -> BNPHandle:
     """Precondition the gradients of ``model``'s dense and convolution layers with BNP.
 
@@ -371,8 +307,7 @@ def attach(
 
     Args:
         model: the model to precondition.
-        momentum: weight of the history in the running moments (the paper's ``rho``;
-            :class:`distnorm.specs.BNPSpec` calls it ``decay``).
+        decay: weight of the history in the running moments (the paper's ``rho``).
         eps1, eps2: ``var_t = var + eps1 * max(var) + eps2``.
         add_bias: give bias-free layers a zero-initialised bias, so that the centring part
             of the preconditioner applies; with ``False`` they only get the scaling part.
@@ -380,6 +315,7 @@ def attach(
         exclude: qualified module names (``fnmatch`` patterns), module types or module
             instances to leave alone (e.g. ``exclude=["fc"]`` for the classifier).
         process_group: group over which the input statistics are all-reduced.
+        momentum: the former name of ``decay`` (read with a ``FutureWarning``).
 
     Returns:
         A :class:`BNPHandle` (``detach()``, ``state_dict()``, ``load_state_dict()``).
@@ -399,10 +335,15 @@ def attach(
         >>> handle.detach()
     """
     refuse_wrapped(model, "distnorm.bnp.attach()")
-    try:
-        config = BNPSpec(decay=momentum, eps1=eps1, eps2=eps2, add_bias=add_bias)  # validates
-    except ValueError as err:  # name the keyword the caller used
-        raise ValueError(str(err).replace("BNP: decay", "bnp: momentum (the history weight, BNPSpec.decay)")) from None
+    if momentum is not None:
+        warnings.warn("bnp.attach(momentum=...) is deprecated: BNP's history weight is called decay everywhere; "
+                      "use bnp.attach(decay=...)", FutureWarning, stacklevel=2)
+        decay = momentum
+    if isinstance(exclude, str):  # "fc,head", as the command line and the environment give it
+        exclude = tuple(p.strip() for p in exclude.split(",") if p.strip())
+    exclude = tuple(exclude)
+    patterns = tuple(item for item in exclude if isinstance(item, str))
+    config = BNPSpec(decay=decay, eps1=eps1, eps2=eps2, add_bias=add_bias, exclude=patterns)  # validates
     layers = tuple(layers)
     for kind in layers:
         if not (isinstance(kind, type) and issubclass(kind, SUPPORTED_LAYERS)):
@@ -411,8 +352,6 @@ def attach(
                 f"bnp: cannot precondition {getattr(kind, '__name__', kind)!r} listed in layers=; "
                 f"BNP supports {supported} (and their subclasses). Remove it from layers=."
             )
-    exclude = list(exclude)
-
     chosen = {
         name: module
         for name, module in model.named_modules()
@@ -447,7 +386,7 @@ def attach(
         module.register_buffer("bnp_mean", torch.zeros(in_channels, **kw))
         module.register_buffer("bnp_var", torch.ones(in_channels, **kw))
         module._distnorm_buffers = BUFFERS  # checked by distnorm.check_consistency
-        state = _LayerState(
+        state = BNPLayerState(
             name=name or "<root>", config=config, process_group=process_group, added_bias=added_bias,
             dense=isinstance(module, nn.Linear), fan_in=math.prod(weight.shape[1:]),
             groups=getattr(module, "groups", 1),
@@ -458,7 +397,7 @@ def attach(
         module._distnorm_bnp = state
         module.__class__ = _preconditioned_class(type(module))
     root_hook = model.register_forward_hook(_FirstForwardCheck(chosen))
-    return BNPHandle(model, config, chosen, root_hook)
+    return BNPHandle(model, config, chosen, root_hook, exclude)
 
 
 class _FirstForwardCheck:
@@ -480,3 +419,10 @@ class _FirstForwardCheck:
                 "precondition their gradients (their weights are used without calling them, or they are "
                 f"unused). Leave them out with bnp.attach(..., exclude={missed!r})."
             )
+
+
+def _attach_spec(model: nn.Module, *, process_group: ProcessGroup | None = None, **fields: Any) -> BNPHandle:
+    return attach(model, process_group=process_group, **fields)
+
+
+register_builder(BNPSpec, _attach_spec)

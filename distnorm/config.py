@@ -31,7 +31,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Mapping
 
 from distnorm.convert import ACTIVATIONS, NORMS
-from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+from distnorm.specs import NORM_SPECS, BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __all__ = ["DistNormConfig", "add_arguments", "ENV_PREFIX"]
 
@@ -40,7 +40,7 @@ _ENV_RESERVED = {"DISTNORM_DEBUG"}  # not configuration: read by distnorm._debug
 OFF = "off"
 
 #: The nested spec sections: name -> spec class (``bnp`` may also be ``None``: off).
-SECTIONS: dict[str, type] = {"cbn": CBNSpec, "popnorm": POPNormSpec, "bn": SyncBNSpec, "gn": GNSpec, "bnp": BNPSpec}
+SECTIONS: dict[str, type] = {**NORM_SPECS, "bnp": BNPSpec}
 
 #: distnorm 0.1's flat keys -> where they live now (read with a FutureWarning).
 LEGACY_KEYS: dict[str, tuple[str, ...]] = {
@@ -63,7 +63,7 @@ class DistNormConfig:
     bn: SyncBNSpec = field(default_factory=SyncBNSpec, metadata={"help": "synchronized BatchNorm hyper-parameters (norm=bn)"})
     gn: GNSpec = field(default_factory=GNSpec, metadata={"help": "GroupNorm hyper-parameters (norm=gn)"})
     bnp: BNPSpec | None = field(default=None, metadata={"help": "attach BNP gradient preconditioning (None: off)"})
-    group_size: int | None = field(default=None, metadata={"help": "synchronize within groups of this many consecutive ranks (default: all ranks)"})
+    sync_group_size: int | None = field(default=None, metadata={"help": "synchronize within groups of this many consecutive ranks, e.g. one node (default: all ranks)"})
     own_communicator: bool = field(default=False, metadata={"help": "run the layers' all-reduces on a communicator of their own, so on NCCL they do not queue behind DDP's / ZeRO's gradient buckets (one more communicator)"})
     check_every: int = field(default=200, metadata={"help": "verify buffers are identical across ranks every N training forwards (0: never)"})
     collective_timeout_s: float | None = field(default=None, metadata={"help": "timeout of the sub-groups distnorm creates (default: the default group's)"})
@@ -84,14 +84,20 @@ class DistNormConfig:
             elif not (isinstance(value, cls) or (name == "bnp" and value is None)):
                 raise ValueError(f"distnorm config: {name} must be a {cls.__name__}"
                                  f"{' or None' if name == 'bnp' else ''}, got {value!r}")
-        if self.group_size is not None and not (isinstance(self.group_size, int) and self.group_size >= 1):
-            raise ValueError(f"distnorm config: group_size must be >= 1 or None, got {self.group_size!r}")
+        if self.sync_group_size is not None and not (isinstance(self.sync_group_size, int) and self.sync_group_size >= 1):
+            raise ValueError(f"distnorm config: sync_group_size must be >= 1 or None, got {self.sync_group_size!r}")
         if self.collective_timeout_s is not None and not (isinstance(self.collective_timeout_s, (int, float))
                                                           and math.isfinite(self.collective_timeout_s)
                                                           and self.collective_timeout_s > 0):
             raise ValueError(f"distnorm config: collective_timeout_s must be > 0 or None, got {self.collective_timeout_s!r}")
         if not (isinstance(self.check_every, int) and self.check_every >= 0):
             raise ValueError(f"distnorm config: check_every must be >= 0, got {self.check_every!r}")
+
+    @property
+    def group_size(self) -> int | None:
+        """Former name of :attr:`sync_group_size` (``GNSpec.group_size`` counts channels)."""
+        warnings.warn("DistNormConfig.group_size is now sync_group_size", FutureWarning, stacklevel=2)
+        return self.sync_group_size
 
     @property
     def active(self) -> bool:
@@ -121,6 +127,13 @@ class DistNormConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, where: str = "config") -> "DistNormConfig":
         values = _nest_legacy(dict(values), where, warn=where != "checkpoint")
+        if "group_size" in values:  # renamed: GNSpec.group_size counts channels, this counts ranks
+            if "sync_group_size" in values:
+                raise ValueError(f"distnorm {where}: give sync_group_size only (group_size is its former name)")
+            if where != "checkpoint":
+                warnings.warn(f"distnorm {where}: group_size is deprecated; use sync_group_size",
+                              FutureWarning, stacklevel=3)
+            values["sync_group_size"] = values.pop("group_size")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -153,6 +166,9 @@ class DistNormConfig:
             if not key.startswith(prefix) or key in _ENV_RESERVED:
                 continue
             name = key[len(prefix):].lower()
+            if name == "group_size":  # former name of sync_group_size (from_dict warns)
+                values[name] = _parse(options["sync_group_size"], raw, key)
+                continue
             if name in LEGACY_KEYS and name not in options:
                 values[name] = raw  # typed by _nest_legacy
                 continue

@@ -30,6 +30,7 @@ from torch import nn
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, assert_same_across_ranks
 from distnorm.errors import InconsistentStateError
+from distnorm.layers import _DistNormLayer, name_layers
 
 __all__ = [
     "check_consistency",
@@ -85,8 +86,6 @@ def consistent_tensors(
     An optimizer whose state is kept for flattened or partitioned copies (DeepSpeed's ZeRO
     optimizers) holds no state for the model's own parameters, so contributes nothing.
     """
-    from distnorm.layers import _DistNormLayer  # local import: layers imports this package
-
     found: list[tuple[str, torch.Tensor]] = []
     for prefix, module in model.named_modules():
         dot = f"{prefix}." if prefix else ""
@@ -167,8 +166,6 @@ def check_consistency(
         >>> distnorm.check_consistency(torch.nn.Sequential(distnorm.CBN(4)))
         7
     """
-    from distnorm.layers import name_layers
-
     name_layers(model)
     named = consistent_tensors(model, parameters=parameters, optimizer=optimizer)
     group = _collectives.sync_group(process_group)

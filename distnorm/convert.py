@@ -51,7 +51,8 @@ __all__ = ["NORMS", "ACTIVATIONS", "PreNorm", "convert", "revert", "conversion_s
 
 logger = logging.getLogger(__name__)
 
-NORMS = ("cbn", "popnorm", "bn", "gn", "none")
+#: ``convert(norm=...)`` names: one per spec (distnorm.specs.NORM_SPECS), and "none" (remove).
+NORMS = (*NORM_SPECS, "none")
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
     "sigmoid": nn.Sigmoid,
@@ -293,28 +294,10 @@ def _gates(graph_module: fx.GraphModule | None, modules: dict[str, nn.Module]) -
 
 
 def _new_norm(norm: str, bn: nn.Module, process_group: ProcessGroup | None, spec: Any) -> nn.Module:
-    channels = bn.num_features
-    if norm == "bn":
-        new = SyncBatchNorm(
-            channels, eps=bn.eps if spec.eps is None else spec.eps,
-            momentum=bn.momentum if spec.momentum is None else spec.momentum,
-            affine=bn.affine, track_running_stats=bn.track_running_stats, process_group=process_group,
-        )
-        # Share the very same Parameter / buffer objects: state_dict keys and values, and the
-        # optimizer's references, stay valid.
-        for key in ("weight", "bias"):
-            new._parameters[key] = bn._parameters.get(key)
-        for key in ("running_mean", "running_var", "num_batches_tracked"):
-            new._buffers[key] = bn._buffers.get(key)
-        return new.train(bn.training)
+    if norm == "bn":  # shares the BatchNorm's Parameter and buffer objects
+        return spec.build(bn.num_features, process_group=process_group, replacing=bn)
     if norm == "gn":
-        new = nn.GroupNorm(spec.groups_for(channels), channels, eps=bn.eps if spec.eps is None else spec.eps,
-                           affine=bn.affine)
-        if bn.affine:
-            with torch.no_grad():
-                new.weight.copy_(bn.weight)
-                new.bias.copy_(bn.bias)
-        return _like(new, bn)
+        return _like(spec.build(bn.num_features, replacing=bn), bn)
     return _like(nn.Identity(), bn)  # "none" and the removed BN of the pre-op modes
 
 

@@ -20,8 +20,11 @@ import torch
 
 from distnorm import _collectives, _ops
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import NormalizeFunction, NormState, bnp_precondition, channel_affine
-from distnorm.specs import EVAL_STATS, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
+from distnorm._autograd import NormalizeFunction
+from distnorm._bnp_functions import bnp_precondition
+from distnorm._functions import NormState, channel_affine
+from distnorm._ops import no_grad_input
+from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
 __all__ = ["CBNBuffers", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "pop_norm", "sync_batch_norm"]
 
@@ -60,13 +63,6 @@ def _check_local_batch(x: torch.Tensor, layer: str) -> None:
         )
 
 
-def no_grad_input(t: torch.Tensor | None) -> torch.Tensor | None:
-    """What the statistics step receives. Eager: the tensor itself (the step runs under
-    ``no_grad``: no graph, no extra op). Compiled: a detached tensor, since the custom
-    operators have no autograd formula of their own."""
-    return t.detach() if t is not None and torch.compiler.is_compiling() else t
-
-
 def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
               state: NormState, statistics) -> torch.Tensor:
     """The training path shared by modules and functions: statistics, then normalization."""
@@ -85,8 +81,8 @@ def sync_batch_norm(
     num_batches_tracked: torch.Tensor | None = None,
     *,
     training: bool = True,
-    momentum: float | None = 0.1,
-    eps: float = 1e-5,
+    momentum: float | None = MOMENTUM,
+    eps: float = EPS,
     process_group: ProcessGroup | None = None,
     sync: bool = True,
     layer: str = "sync_batch_norm",
@@ -161,7 +157,8 @@ def cbn(
 
     The hyper-parameters are those of :class:`distnorm.specs.CBNSpec` (``amat`` and
     ``omega`` are the layer's business: here ``eta`` is given). Evaluation uses
-    ``spec.eval_stats`` (``None``: ``"amat"``).
+    ``spec.resolved_eval_stats``, as the layer does (``None``: ``"auto"`` with AMAT, which
+    compares ``eta`` with ``1 - momentum``; ``"running"`` without).
 
     Example:
         >>> from distnorm.specs import CBNSpec
@@ -181,7 +178,7 @@ def cbn(
     if not training:
         return cbn_inference(x, weight, bias, b.amat_mean, b.amat_var, eta_t, b.running_mean, b.running_var,
                              b.num_batches_tracked, rho=spec.rho, eps=spec.eps, momentum=spec.momentum,
-                             eval_stats=spec.eval_stats or "amat", layer=layer)
+                             eval_stats=spec.resolved_eval_stats, layer=layer)
     history = True if eta_given else float(eta) > 0
     state = NormState("cbn", layer, spec.eps, spec.momentum, rho=float(spec.rho), r_max=float(spec.r_max),
                       process_group=process_group, sync=spec.sync, history=history)
@@ -259,7 +256,5 @@ def pop_norm(
     like = running_mean
     buffers = CBNBuffers(torch.zeros_like(like), torch.ones_like(like), torch.zeros((), dtype=torch.bool, device=like.device),
                          running_mean, running_var, num_batches_tracked)
-    as_cbn = CBNSpec(rho=spec.kappa, amat=False, omega=0.0, eps=spec.eps, momentum=spec.momentum, r_max=1.0,
-                     eval_stats="running", sync=spec.sync)
-    return cbn(x, weight, bias, buffers, training=training, eta=0.0, spec=as_cbn, process_group=process_group,
+    return cbn(x, weight, bias, buffers, training=training, eta=0.0, spec=spec.as_cbn(), process_group=process_group,
                layer=layer)

@@ -22,7 +22,7 @@ from distnorm import _ops
 from distnorm import functional  # not torch.nn.functional: distnorm's own
 from distnorm._collectives import ProcessGroup
 from distnorm._functions import NormState
-from distnorm.specs import CBNSpec, POPNormSpec, SyncBNSpec
+from distnorm.specs import EPS, MOMENTUM, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec, register_builder
 
 __all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "name_layers"]
 
@@ -108,32 +108,16 @@ class _CompleteNorm(_DistNormLayer):
     r_max = _state_field("r_max", "clamp of the stop-gradient ratios")
     sync = _state_field("sync", "synchronize statistics across ranks")
 
-    def __init__(
-        self,
-        num_features: int,
-        *,
-        rho: float,
-        amat: bool,
-        omega: float,
-        eps: float,
-        momentum: float | None,
-        r_max: float,
-        eval_stats: str | None,
-        sync: bool,
-        process_group: ProcessGroup | None,
-    ) -> None:
-        # Hyper-parameters were validated by the layer's spec (distnorm.specs), their one owner.
+    def __init__(self, num_features: int, spec: CBNSpec, process_group: ProcessGroup | None) -> None:
+        # Hyper-parameters were validated by the spec (distnorm.specs), their one owner.
         super().__init__()
         _check_num_features(type(self).__name__, num_features)
-        if eval_stats is None:
-            eval_stats = "auto" if amat else "running"
-
         self.num_features = num_features
-        self._init_state("cbn", eps=float(eps), momentum=momentum, rho=float(rho), r_max=float(r_max),
-                         process_group=process_group, sync=bool(sync))
-        self.amat = bool(amat)
-        self.omega = float(omega)
-        self.eval_stats = eval_stats
+        self._init_state("cbn", eps=float(spec.eps), momentum=spec.momentum, rho=float(spec.rho),
+                         r_max=float(spec.r_max), process_group=process_group, sync=bool(spec.sync))
+        self.amat = bool(spec.amat)
+        self.omega = float(spec.omega)
+        self.eval_stats = spec.resolved_eval_stats
         self.lr: float | None = None
 
         self.weight = nn.Parameter(torch.ones(num_features))
@@ -227,7 +211,7 @@ class _CompleteNorm(_DistNormLayer):
                 stacklevel=2,
             )
         stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
-            xd, functional.no_grad_input(self.weight), functional.no_grad_input(self.bias), self.amat_mean, self.amat_var, self.amat_initialized,
+            xd, _ops.no_grad_input(self.weight), _ops.no_grad_input(self.bias), self.amat_mean, self.amat_var, self.amat_initialized,
             self.running_mean, self.running_var, self.num_batches_tracked, self.amat_eta, self._state)
         return functional.normalize(x, self.weight, self.bias, self._state, stats)
 
@@ -292,7 +276,7 @@ class CBN(_CompleteNorm):
     ) -> None:
         spec = CBNSpec(rho=rho, amat=amat, omega=omega, eps=eps, momentum=momentum, r_max=r_max,
                        eval_stats=eval_stats, sync=sync)
-        super().__init__(num_features, process_group=process_group, **spec.kwargs())
+        super().__init__(num_features, spec, process_group)
 
     def extra_repr(self) -> str:
         return (
@@ -327,8 +311,7 @@ class POPNorm(_CompleteNorm):
         process_group: ProcessGroup | None = None,
     ) -> None:
         spec = POPNormSpec(kappa=kappa, eps=eps, momentum=momentum, sync=sync)
-        super().__init__(num_features, rho=spec.kappa, amat=False, omega=0.0, eps=spec.eps, momentum=spec.momentum,
-                         r_max=1.0, eval_stats="running", sync=spec.sync, process_group=process_group)
+        super().__init__(num_features, spec.as_cbn(), process_group)
 
     @property
     def kappa(self) -> float:
@@ -358,8 +341,8 @@ class SyncBatchNorm(_DistNormLayer):
         self,
         num_features: int,
         *,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
+        eps: float = EPS,
+        momentum: float | None = MOMENTUM,
         affine: bool = True,
         track_running_stats: bool = True,
         process_group: ProcessGroup | None = None,
@@ -460,3 +443,50 @@ def set_lr(model: nn.Module, lr: float) -> int:
                 module.set_lr(lr)
                 count += 1
     return count
+
+
+# --------------------------------------------------------------- building from a spec
+def _build_cbn(spec: CBNSpec, num_features: int, *, process_group: ProcessGroup | None = None,
+               replacing: nn.Module | None = None) -> CBN:
+    return CBN(num_features, process_group=process_group, **spec.kwargs())
+
+
+def _build_popnorm(spec: POPNormSpec, num_features: int, *, process_group: ProcessGroup | None = None,
+                   replacing: nn.Module | None = None) -> POPNorm:
+    return POPNorm(num_features, process_group=process_group, **spec.kwargs())
+
+
+def _build_sync_batch_norm(spec: SyncBNSpec, num_features: int, *, process_group: ProcessGroup | None = None,
+                           replacing: nn.Module | None = None) -> SyncBatchNorm:
+    """A SyncBatchNorm; in place of a BatchNorm it keeps that layer's ``affine`` /
+    ``track_running_stats`` and shares its very Parameter and buffer objects (state_dict
+    keys and values, and the optimizer's references, stay valid)."""
+    layer = SyncBatchNorm(num_features, **spec.resolved(replacing), affine=getattr(replacing, "affine", True),
+                          track_running_stats=getattr(replacing, "track_running_stats", True),
+                          process_group=process_group)
+    if replacing is None:
+        return layer
+    for key in ("weight", "bias"):
+        layer._parameters[key] = replacing._parameters.get(key)
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        layer._buffers[key] = replacing._buffers.get(key)
+    return layer.train(replacing.training)
+
+
+def _build_group_norm(spec: GNSpec, num_features: int, *, process_group: ProcessGroup | None = None,
+                      replacing: nn.Module | None = None) -> nn.GroupNorm:
+    """``nn.GroupNorm`` (not synchronized: its statistics are per sample); in place of a
+    BatchNorm it starts from that layer's affine parameters."""
+    affine = getattr(replacing, "affine", True)
+    layer = nn.GroupNorm(spec.groups_for(num_features), num_features, eps=spec.resolved_eps(replacing), affine=affine)
+    if replacing is not None and affine:
+        with torch.no_grad():
+            layer.weight.copy_(replacing.weight)
+            layer.bias.copy_(replacing.bias)
+    return layer
+
+
+register_builder(CBNSpec, _build_cbn)
+register_builder(POPNormSpec, _build_popnorm)
+register_builder(SyncBNSpec, _build_sync_batch_norm)
+register_builder(GNSpec, _build_group_norm)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distnorm.convert import linear_batchnorm_pairs
 from distnorm.layers import CBN, POPNorm
 
 __all__ = ["TheoryMonitor"]
@@ -40,8 +41,6 @@ QUANTILES = (0.05, 0.5, 0.95)
 
 def _scale_invariant_weights(model: nn.Module) -> list[str]:
     """Conv / linear layers whose output goes straight into a BatchNorm (found by torch.fx)."""
-    from distnorm.convert import linear_batchnorm_pairs
-
     return [op for op, _ in linear_batchnorm_pairs(model)]
 
 

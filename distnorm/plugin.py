@@ -23,6 +23,7 @@ The engine-specific few lines live in :mod:`distnorm.integrations.accelerate` an
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import warnings
 from datetime import timedelta
@@ -31,13 +32,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.parallel import DistributedDataParallel
 
 from distnorm import _collectives
-from distnorm.config import OFF, DistNormConfig
 from distnorm._collectives import assert_same_across_ranks
+from distnorm.config import OFF, DistNormConfig
 from distnorm.consistency import check_consistency, consistent_tensors
 from distnorm.convert import convert
-from distnorm.layers import _CompleteNorm
+from distnorm.layers import _CompleteNorm, _DistNormLayer
 
 __all__ = ["DistNormPlugin", "ddp_kwargs", "buffer_broadcast_needed", "unsynchronized_running_stats"]
 
@@ -57,10 +60,6 @@ def ddp_kwargs() -> dict[str, bool]:
         >>> any(kwargs.values())             # every buffer broadcast switched off
         False
     """
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
@@ -70,12 +69,12 @@ def _subgroup(size: int, timeout_s: float | None = None) -> Any:
     """This rank's group of ``size`` consecutive ranks (created collectively on every rank)."""
     if not _collectives.is_distributed():
         raise RuntimeError(
-            "distnorm: group_size needs torch.distributed to be initialised before the plugin is "
+            "distnorm: sync_group_size needs torch.distributed to be initialised before the plugin is "
             "created (Accelerator(), deepspeed.init_distributed() or init_process_group())"
         )
     world = dist.get_world_size()
     if world % size:
-        raise ValueError(f"distnorm: group_size={size} does not divide the world size {world}")
+        raise ValueError(f"distnorm: sync_group_size={size} does not divide the world size {world}")
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     group, _ = dist.new_subgroups(group_size=size, timeout=timeout)
     return group
@@ -85,10 +84,6 @@ def unsynchronized_running_stats(model: nn.Module) -> list[str]:
     """Names of the modules of ``model`` whose running statistics are computed per rank
     (``torch.nn`` BatchNorm / InstanceNorm with ``track_running_stats`` that distnorm did
     not convert): their buffers drift apart unless DDP broadcasts buffers."""
-    from torch.nn.modules.batchnorm import _NormBase
-
-    from distnorm.layers import _DistNormLayer
-
     return [name for name, m in model.named_modules()
             if isinstance(m, _NormBase) and not isinstance(m, _DistNormLayer) and m.track_running_stats]
 
@@ -151,9 +146,10 @@ class DistNormPlugin:
         self.config = config if config is not None else DistNormConfig()
         self.model = model
         self.local_running_stats = []  # filled below: BatchNorms whose statistics stay per rank
-        self.group = _subgroup(self.config.group_size, self.config.collective_timeout_s) if self.config.group_size else None
+        self.group = (_subgroup(self.config.sync_group_size, self.config.collective_timeout_s)
+                      if self.config.sync_group_size else None)
         if self.config.own_communicator and self.group is None:
-            # group_size already gives the layers communicators of their own
+            # sync_group_size already gives the layers communicators of their own
             self.group = _collectives.norm_group()
         self._config_checked = False
         self._verify_config()

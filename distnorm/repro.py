@@ -33,7 +33,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from PIL import Image
 from torch import nn
+
+import distnorm
+from distnorm import models
+from distnorm.data.sources import DigitsSource
 
 __all__ = ["NORMS", "ACTIVATIONS", "run_one", "main"]
 
@@ -44,10 +49,6 @@ BATCH = 64
 
 def load_digits_tensors(split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The demo digits as normalized (N, 3, 32, 32) float tensors, decoded from their JPEGs."""
-    from PIL import Image
-
-    from distnorm.data.sources import DigitsSource
-
     source = DigitsSource(split)
     images = torch.stack([
         torch.frombuffer(bytearray(Image.open(io.BytesIO(source.jpeg(i))).convert("RGB").tobytes()), dtype=torch.uint8)
@@ -68,9 +69,6 @@ def _shift(images: torch.Tensor, gen: torch.Generator, pad: int = 2) -> torch.Te
 
 
 def build_model(norm: str, activation: str) -> nn.Module:
-    import distnorm
-    from distnorm import models
-
     if norm == "bnp_gn":
         model = models.create("resnet20", num_classes=10, norm="gn", activation=activation,
                               norm_kwargs={"num_groups": 8})
@@ -81,8 +79,6 @@ def build_model(norm: str, activation: str) -> nn.Module:
 
 def run_one(norm: str, activation: str, seed: int, epochs: int, train_limit: int | None = None) -> dict[str, Any]:
     """Train one configuration; returns its record (runs in a worker process)."""
-    import distnorm
-
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     x_train, y_train = load_digits_tensors("train")

@@ -11,7 +11,13 @@ in the layer.
 Momentum names say which way they point, as in the libraries they come from:
 ``momentum`` is PyTorch BatchNorm's weight of the *new* batch in the running statistics
 (0.1); BNP's ``decay`` is the weight of the *history* in its running moments (0.99, the
-``rho`` of paper 004; ``distnorm.bnp.attach(momentum=...)`` keeps the paper's name).
+``rho`` of paper 004), as in an exponential moving average's ``decay``. ``decay`` is BNP's
+one name everywhere (``bnp.attach(decay=...)``, ``distnorm.bnp.decay``,
+``--distnorm-bnp-decay``); the older ``momentum`` is read with a ``FutureWarning``.
+
+The specs are data at the bottom of the package: they import no layer. The modules that
+define the layers register how each spec becomes a module (:func:`register_builder`), so
+``spec.build(...)`` (and ``BNPSpec.attach``) work once ``distnorm`` is imported.
 
 Example:
     >>> import distnorm
@@ -32,11 +38,26 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, ClassVar
 
-__all__ = ["CBNSpec", "POPNormSpec", "SyncBNSpec", "GNSpec", "BNPSpec", "NORM_SPECS", "EVAL_STATS", "spec_fields"]
+__all__ = ["CBNSpec", "POPNormSpec", "SyncBNSpec", "GNSpec", "BNPSpec", "NORM_SPECS", "EVAL_STATS", "spec_fields",
+           "register_builder"]
 
 #: What CBN evaluates with: the AMAT averages, the running statistics, or "auto" (AMAT while
 #: eta > 0 was in force, else the running statistics; SPEC §2).
 EVAL_STATS = ("auto", "amat", "running")
+
+#: Defaults shared by every normalization (PyTorch BatchNorm's): written once here.
+EPS = 1e-5
+MOMENTUM = 0.1
+_MOMENTUM_HELP = "running statistics: weight of the new batch (None: cumulative average)"
+_EPS_HELP = "added to the mean square before the square root"
+
+#: spec class -> the function that makes its module (filled by distnorm.layers, distnorm.bnp).
+_BUILDERS: dict[type, Callable[..., Any]] = {}
+
+
+def register_builder(spec_type: type, builder: Callable[..., Any]) -> None:
+    """Register how instances of ``spec_type`` become modules: ``builder(spec, ...)``."""
+    _BUILDERS[spec_type] = builder
 
 
 # ------------------------------------------------------------------------ checks
@@ -123,6 +144,22 @@ class _Spec:
     def replace(self, **changes: Any) -> "_Spec":
         return dataclasses.replace(self, **changes)
 
+    def _builder(self) -> Callable[..., Any]:
+        try:
+            return _BUILDERS[type(self)]
+        except KeyError:
+            raise RuntimeError(f"{self.label}: no layer is registered for {type(self).__name__}; "
+                               "import distnorm (which registers every layer) first") from None
+
+    def build(self, num_features: int, process_group: Any = None, *, replacing: Any = None) -> Any:
+        """The layer this spec describes, for ``num_features`` channels.
+
+        ``replacing``: the BatchNorm the layer takes the place of (``distnorm.convert``);
+        fields left ``None`` take its values, and SyncBatchNorm shares its parameters and
+        buffers.
+        """
+        return self._builder()(self, num_features, process_group=process_group, replacing=replacing)
+
     @classmethod
     def from_kwargs(cls, where: str, **values: Any) -> "_Spec":
         """``cls(**values)``, with an unknown keyword reported as a ``ValueError`` naming
@@ -143,18 +180,20 @@ class CBNSpec(_Spec):
     rho: float = param(1.0, "normalization magnitude rho: y = gamma / rho * x1 / rms(x1)", positive)
     amat: bool = param(True, "adaptive moving averages of the statistics (AMAT)", boolean)
     omega: float = param(10.0, "AMAT: eta = clip(1 - omega * lr, 0, 1), the weight of the history", non_negative)
-    eps: float = param(1e-5, "added to the mean square before the square root", positive)
-    momentum: float | None = param(0.1, "running statistics: weight of the new batch (None: cumulative average)",
-                                   new_batch_weight)
+    eps: float = param(EPS, _EPS_HELP, positive)
+    momentum: float | None = param(MOMENTUM, _MOMENTUM_HELP, new_batch_weight)
     r_max: float = param(3.0, "AMAT: clamp of the stop-gradient ratios to [1/r_max, r_max]", ratio_clamp)
     eval_stats: str | None = param(None, "evaluate with 'amat', 'running' or 'auto' (default: auto with AMAT, "
                                          "else running)", one_of(None, *EVAL_STATS), choices=EVAL_STATS)
     sync: bool = param(True, "all-reduce the statistics across ranks", boolean)
 
-    def build(self, num_features: int, process_group: Any = None) -> Any:
-        from distnorm.layers import CBN
-
-        return CBN(num_features, process_group=process_group, **self.kwargs())
+    @property
+    def resolved_eval_stats(self) -> str:
+        """What evaluation uses: ``eval_stats``, or when ``None`` ``"auto"`` with AMAT and
+        ``"running"`` without (the one place this default is decided)."""
+        if self.eval_stats is not None:
+            return self.eval_stats
+        return "auto" if self.amat else "running"
 
 
 @dataclass(frozen=True)
@@ -163,15 +202,15 @@ class POPNormSpec(_Spec):
 
     label: ClassVar[str] = "POPNorm"
     kappa: float = param(4.0, "normalization magnitude kappa", positive)
-    eps: float = param(1e-5, "added to the mean square before the square root", positive)
-    momentum: float | None = param(0.1, "running statistics: weight of the new batch (None: cumulative average)",
-                                   new_batch_weight)
+    eps: float = param(EPS, _EPS_HELP, positive)
+    momentum: float | None = param(MOMENTUM, _MOMENTUM_HELP, new_batch_weight)
     sync: bool = param(True, "all-reduce the statistics across ranks", boolean)
 
-    def build(self, num_features: int, process_group: Any = None) -> Any:
-        from distnorm.layers import POPNorm
-
-        return POPNorm(num_features, process_group=process_group, **self.kwargs())
+    def as_cbn(self) -> CBNSpec:
+        """POP-Norm is CBN without AMAT, with ``rho = kappa`` and unclamped (= 1) ratios,
+        evaluated with the running statistics: the one place this equivalence is written."""
+        return CBNSpec(rho=self.kappa, amat=False, omega=0.0, eps=self.eps, momentum=self.momentum, r_max=1.0,
+                       eval_stats="running", sync=self.sync)
 
 
 def optional_positive(value: Any) -> str | None:
@@ -188,16 +227,18 @@ class SyncBNSpec(_Spec):
     BatchNorm keeps its parameters, buffers, ``eps`` and ``momentum`` unless given here."""
 
     label: ClassVar[str] = "SyncBatchNorm"
-    eps: float | None = param(None, "added to the variance (default: the replaced BatchNorm's; 1e-5 for a new layer)",
+    eps: float | None = param(None, f"added to the variance (default: the replaced BatchNorm's; {EPS} for a new layer)",
                               optional_positive)
     momentum: float | None = param(None, "running statistics: weight of the new batch (default: the replaced "
-                                         "BatchNorm's; 0.1 for a new layer)", optional_new_batch_weight)
+                                         f"BatchNorm's; {MOMENTUM} for a new layer)", optional_new_batch_weight)
 
-    def build(self, num_features: int, process_group: Any = None) -> Any:
-        from distnorm.layers import SyncBatchNorm
-
-        given = {k: v for k, v in self.kwargs().items() if v is not None}
-        return SyncBatchNorm(num_features, process_group=process_group, **given)
+    def resolved(self, replacing: Any = None) -> dict[str, Any]:
+        """``eps`` and ``momentum`` of the layer to build: the given values, else the
+        replaced BatchNorm's, else the defaults of a new layer."""
+        return {
+            "eps": self.eps if self.eps is not None else getattr(replacing, "eps", EPS),
+            "momentum": self.momentum if self.momentum is not None else getattr(replacing, "momentum", MOMENTUM),
+        }
 
 
 @dataclass(frozen=True)
@@ -206,10 +247,12 @@ class GNSpec(_Spec):
     per group; either is reduced to the largest divisor of the channel count not above it."""
 
     label: ClassVar[str] = "GroupNorm"
+    #: Groups when neither ``num_groups`` nor ``group_size`` is given (Wu & He's default).
+    default_groups: ClassVar[int] = 32
     num_groups: int | None = param(None, "number of groups (default 32 when group_size is not given)",
                                    optional_positive_int)
     group_size: int | None = param(None, "channels per group (instead of num_groups)", optional_positive_int)
-    eps: float | None = param(None, "added to the variance (default: the replaced BatchNorm's; 1e-5 for a new layer)",
+    eps: float | None = param(None, f"added to the variance (default: the replaced BatchNorm's; {EPS} for a new layer)",
                               optional_positive)
 
     def _check_together(self) -> None:
@@ -218,13 +261,15 @@ class GNSpec(_Spec):
 
     def groups_for(self, channels: int) -> int:
         """The group count for a layer of ``channels`` channels."""
-        wanted = max(channels // self.group_size, 1) if self.group_size is not None else (self.num_groups or 32)
+        if self.group_size is not None:
+            wanted = max(channels // self.group_size, 1)
+        else:
+            wanted = self.num_groups if self.num_groups is not None else self.default_groups
         return max(g for g in range(1, min(wanted, channels) + 1) if channels % g == 0)
 
-    def build(self, num_features: int, process_group: Any = None) -> Any:
-        from torch import nn
-
-        return nn.GroupNorm(self.groups_for(num_features), num_features, eps=1e-5 if self.eps is None else self.eps)
+    def resolved_eps(self, replacing: Any = None) -> float:
+        """The given ``eps``, else the replaced BatchNorm's, else a new layer's."""
+        return self.eps if self.eps is not None else getattr(replacing, "eps", EPS)
 
 
 #: ``convert(norm=...)`` names of the specs.
@@ -262,9 +307,9 @@ class BNPSpec(_Spec):
         if self.eps1 == 0 and self.eps2 == 0:
             raise ValueError("BNP: eps1 and eps2 cannot both be 0 (var_t could be 0 and divide by zero)")
 
-    def attach(self, model: Any, process_group: Any = None) -> Any:
-        """``distnorm.bnp.attach`` with these hyper-parameters."""
-        from distnorm import bnp
+    def build(self, num_features: int, process_group: Any = None, *, replacing: Any = None) -> Any:
+        raise TypeError("BNP is not a layer: use BNPSpec.attach(model) or distnorm.bnp.attach(model, ...)")
 
-        return bnp.attach(model, momentum=self.decay, eps1=self.eps1, eps2=self.eps2, add_bias=self.add_bias,
-                          exclude=self.exclude, process_group=process_group)
+    def attach(self, model: Any, process_group: Any = None) -> Any:
+        """``distnorm.bnp.attach(model, **spec.kwargs())``: BNP with these hyper-parameters."""
+        return self._builder()(model, process_group=process_group, **self.kwargs())

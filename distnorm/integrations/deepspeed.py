@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from distnorm._wrappers import register_wrapper
 from distnorm.config import DistNormConfig, add_arguments
 from distnorm.consistency import register_partitioned
 from distnorm.plugin import DistNormPlugin, register_engine
@@ -105,3 +106,4 @@ except ImportError:  # prepare() says what to install
 else:
     register_engine(DeepSpeedEngine, _follow_engine)
     register_partitioned(_zero3_partitioned)
+    register_wrapper(DeepSpeedEngine, "DeepSpeed")  # PipelineEngine is a DeepSpeedEngine

@@ -16,6 +16,12 @@ import os
 import sys
 from typing import Sequence
 
+import torch.distributed as dist
+
+from distnorm.train.config import ConfigError, load_config
+from distnorm.train.engines import local_world
+from distnorm.train.loop import check_setup, train
+
 __all__ = ["main", "build_parser"]
 
 
@@ -52,10 +58,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from distnorm.train.config import ConfigError, load_config
-    from distnorm.train.engines import local_world
-    from distnorm.train.loop import check_setup, train
-
     try:
         cfg = load_config(args.config, args.overrides)
         set_log_level(cfg.output.log_level)
@@ -70,8 +72,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         # Leave no communication thread running at interpreter exit.
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     if local_world()[0] == 0:

@@ -27,7 +27,9 @@ from typing import Any
 
 import yaml
 
+from distnorm import models
 from distnorm.config import DistNormConfig
+from distnorm.data.loaders import TRANSFORM_PRESETS
 
 __all__ = ["TrainConfig", "load_config", "apply_overrides", "ENGINES", "PRECISIONS"]
 
@@ -137,9 +139,6 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Value checks that need no file system or launcher (done at construction)."""
-        from distnorm import models
-        from distnorm.data.loaders import TRANSFORM_PRESETS
-
         t, o, d, op = self.train, self.output, self.data, self.optim
         if self.model.name not in models.available():
             raise ConfigError(f"model.name={self.model.name!r} is not one of {models.available()}")

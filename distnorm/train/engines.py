@@ -23,7 +23,7 @@ __all__ = ["Engine", "AccelerateEngine", "DeepSpeedEngine", "make_engine", "requ
 
 def require_engine(name: str) -> None:
     """Raise a clear error if the engine's library is not installed."""
-    module = {"accelerate": "accelerate", "deepspeed": "deepspeed"}[name]
+    module = name  # each engine is named after its library (train.config.ENGINES)
     try:
         __import__(module)
     except ImportError:
@@ -104,6 +104,8 @@ def deepspeed_input_dtype(model: Any) -> torch.dtype | None:
 
 
 class AccelerateEngine(Engine):
+    name = "accelerate"
+
     def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         from accelerate import Accelerator
 
@@ -153,6 +155,8 @@ class AccelerateEngine(Engine):
 
 
 class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
     def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         import deepspeed
 
@@ -216,7 +220,7 @@ class DeepSpeedEngine(Engine):
 
 def make_engine(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int) -> Engine:
     require_engine(cfg.train.engine)
-    cls = AccelerateEngine if cfg.train.engine == "accelerate" else DeepSpeedEngine
+    cls = next(c for c in (AccelerateEngine, DeepSpeedEngine) if c.name == cfg.train.engine)
     return cls(cfg, model, steps_per_epoch)
 
 

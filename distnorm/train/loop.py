@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
+import os
 import time
+from datetime import timedelta
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from distnorm import models
+import distnorm
+from distnorm import _collectives, models
+from distnorm._collectives import assert_same_across_ranks
 from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate, expand_urls
 from distnorm.data.loaders import DataError
+from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
+from distnorm.monitors import TheoryMonitor
 from distnorm.train.checkpoint import CheckpointManager
 from distnorm.train.config import ConfigError, TrainConfig
 from distnorm.train.engines import local_world, make_engine, require_engine
@@ -69,11 +77,6 @@ def init_distributed(cfg: TrainConfig) -> None:
     backend defaults (30 min for gloo), and the start-up agreement checks run before the
     engine's first collective.
     """
-    import os
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     _, world = local_world()
     if world <= 1 or dist.is_initialized():
         return
@@ -87,10 +90,6 @@ def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
     """Start-up mismatch detection: one fixed-size hash all-reduce per item, before the
     engine's first collective; a mismatch is a ConfigError on every rank naming the item
     and what each rank has."""
-    import hashlib
-
-    from distnorm._collectives import assert_same_across_ranks
-
     def digest(path: str | None) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and Path(path).is_file() else "-"
 
@@ -110,8 +109,6 @@ def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
 
 def _gather_texts(text: str) -> list[str]:
     """Every rank's ``text`` (a collective over the default group)."""
-    from distnorm import _collectives
-
     return _collectives.gather_texts(text, _collectives.sync_group(None))
 
 
@@ -123,8 +120,6 @@ def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int) -> N
     rank reads which shards and where each rank's data position is, so an exact resume is
     impossible; it is refused rather than silently resumed inexactly.
     """
-    from distnorm._collectives import assert_same_across_ranks
-
     where = str(found[0]) if found is not None else "no checkpoint"
     assert_same_across_ranks(
         where, "the checkpoint to resume from (every rank must see the same checkpoint directory, e.g. on a "
@@ -170,8 +165,6 @@ class _phase:
         return None
 
     def __exit__(self, kind, err, tb) -> bool:
-        from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
-
         passthrough = (NonFiniteStatisticsError, InconsistentStateError, DataError)
         if isinstance(err, passthrough) and hasattr(err, "add_note"):  # keep the type, add where
             err.add_note(f"(during the {self.name} of epoch {self.epoch}, step {self.step})")
@@ -182,8 +175,6 @@ class _phase:
 
 def _all_finite(loss_value: float, world: int, device: torch.device) -> bool:
     """Whether the loss is finite on every rank (one tiny all-reduce, so all ranks agree)."""
-    from distnorm import _collectives
-
     bad = torch.tensor([0.0 if math.isfinite(loss_value) else 1.0], dtype=torch.float64, device=device)
     if world > 1:
         _collectives.all_reduce_sum(bad, _collectives.sync_group(None), slot="trainer|non-finite loss check")
@@ -352,8 +343,6 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
         cfg = _dry_run_config(cfg)
     per_rank = cfg.per_rank_batch(world)
     if cfg.train.debug:
-        import distnorm
-
         distnorm.debug(True)
     init_distributed(cfg)
     model = build_model(cfg, world)
@@ -395,8 +384,6 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
     max_steps = min(total_steps, cfg.train.max_steps or total_steps)
     monitor = None
     if cfg.output.monitors and main and outputs:
-        from distnorm.monitors import TheoryMonitor
-
         monitor = TheoryMonitor(engine.plugin.model, every=cfg.output.monitor_every)
     run = _Run(cfg=cfg, engine=engine, train_loader=train_loader, eval_loader=eval_loader, writer=writer,
                progress=_Progress(main and cfg.output.progress, max_steps, state["global_step"], cfg.model.name),

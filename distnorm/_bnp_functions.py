@@ -1,0 +1,215 @@
+"""The mathematics of BNP (paper 004; SPEC §5), beside the normalization mathematics of
+:mod:`distnorm._functions` and below the custom operators of :mod:`distnorm._ops`.
+
+* :func:`layer_statistics`: one statistics step of a preconditioned layer's input — the
+  global moments (ONE all-reduce), the running moments ``bnp_mean`` / ``bnp_var`` updated
+  in place, and ``var_t = var + eps1 max(var) + eps2``;
+* :func:`bnp_q2`: the block-norm scale ``q²`` from the global count;
+* :func:`bnp_precondition` / :class:`BNPGradientFunction`: the gradient transform
+  ``(1/q²) P Pᵀ [G_b; G_w]`` in the backward.
+
+:mod:`distnorm.bnp` attaches all this to a model's layers with hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from distnorm import _collectives
+from distnorm._collectives import ProcessGroup
+from distnorm._functions import _acc
+from distnorm._recompute import Stash, StashedPlan, in_backward
+from distnorm.specs import BNPSpec
+
+__all__ = ["BNPGradientFunction", "BNPLayerState", "bnp_precondition", "bnp_q2", "layer_statistics"]
+
+
+@dataclass(eq=False)
+class BNPLayerState:
+    """What BNP keeps per preconditioned layer (stored as ``module._distnorm_bnp`` by
+    :func:`distnorm.bnp.attach`): its hyper-parameters, its shape facts, and the state of
+    the current forward that the hooks pass on."""
+
+    name: str
+    config: BNPSpec
+    process_group: ProcessGroup | None
+    added_bias: bool
+    dense: bool
+    fan_in: int  # per-group input channels x kernel size
+    groups: int
+    hooks: list = field(default_factory=list)
+    stash: Stash = field(default_factory=Stash)
+    pending: StashedPlan | None = None
+    holder: Any = None  # distnorm.bnp's q² holder of the current forward
+    count: Any = None
+    in_spatial: tuple[int, ...] = ()
+    active: Any = None  # (mean, var_t, q2) during a training forward
+    aliases: Any = None  # the preconditioned (weight, bias) of that forward
+    called: bool = False
+    key: int = -1
+
+    def group(self) -> ProcessGroup | None:
+        return _collectives.sync_group(self.process_group)
+
+
+@torch.no_grad()
+def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Tensor, state: BNPLayerState,
+                     replay: bool = True) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """One BNP statistics step on a layer input ``h``; returns ``(mean, var_t, count)``.
+
+    ``mean <- rho mean + (1 - rho) mean_H``, ``var <- rho var + (1 - rho) var_H`` (buffers,
+    updated in place once per step) and ``var_t = var + eps1 max(var) + eps2``. A
+    recomputed forward (activation checkpointing) reuses the first forward's result; when
+    there was none — the first pass of reentrant checkpointing runs without gradients,
+    where BNP does nothing — this is the step's only statistics pass.
+    """
+    if replay and in_backward() and len(state.stash):
+        return state.stash.pop(h.shape, f"BNP '{state.name}'")
+    moments = _collectives.global_moments(h, state.group(), layer=f"BNP '{state.name}'")
+    count, batch_mean, batch_var, _ = moments
+    local = h.numel() // h.shape[1] if h.shape[1] else 0
+    cfg = state.config
+    weight = 1.0 - cfg.decay
+    batch_mean = batch_mean.to(mean_buf.dtype)
+    if local <= 1:
+        # A global batch of one value per feature: the variance is measured around the
+        # running mean instead (paper 004 §3.3); an all-empty batch changes nothing.
+        if isinstance(count, int):  # local statistics: the host knows the count (no sync)
+            if count == 1:
+                batch_var = (batch_mean - mean_buf) ** 2
+            weight = weight if count > 0 else 0.0
+        else:
+            batch_var = torch.where(count == 1, (batch_mean - mean_buf) ** 2, batch_var.to(var_buf.dtype))
+            weight = weight * (count > 0).to(mean_buf.dtype)
+    new_mean = mean_buf.lerp(batch_mean, weight)
+    new_var = var_buf.lerp(batch_var.to(var_buf.dtype), weight)
+    mean_buf.copy_(new_mean)
+    var_buf.copy_(new_var)
+    var_t = torch.add(new_var, new_var.max(), alpha=cfg.eps1).add_(cfg.eps2)
+    result = (new_mean, var_t, count if isinstance(count, int) else count[0])
+    if replay:
+        stashed = StashedPlan(result, h.shape)
+        state.stash.push(stashed, grad_enabled=True)
+        state.pending = stashed
+    return result
+
+
+class BNPGradientFunction(torch.autograd.Function):
+    """Identity on ``(weight, bias)`` in the forward; BNP's preconditioner in the backward.
+
+    The layer computes its output from the *returned* aliases, so the gradients that reach
+    this Function are the layer's plain ``(G_w, G_b)`` for this backward pass; it returns
+    ``(1/q²) P Pᵀ [G_b; G_w]`` (see :func:`bnp_precondition`), which autograd accumulates
+    into ``weight.grad`` / ``bias.grad``. Every optimizer and engine therefore sees the
+    preconditioned gradient, and nothing runs at ``optimizer.step()``.
+
+    ``q2`` depends on the layer's output size, known only after its forward: in eager mode
+    it arrives through a holder object filled by the layer's forward hook before any
+    backward runs; under ``torch.compile`` (which traces the backward at once) it is a
+    tensor computed from the size the layer's class is known to produce.
+
+    The map is linear and built from rank-consistent statistics, so applying it on each
+    rank before the data-parallel average (as here) equals applying it after.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
+                var_t: torch.Tensor, q2: Any, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(q2, torch.Tensor):
+            ctx.save_for_backward(mean, var_t, q2)
+            ctx.holder = None
+        else:
+            ctx.save_for_backward(mean, var_t)
+            ctx.holder = q2
+        ctx.groups = groups
+        return weight.view_as(weight), (bias.view_as(bias) if bias is not None else None)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_weight: torch.Tensor, grad_bias: torch.Tensor | None) -> tuple[Any, ...]:
+        mean, var_t, *q2 = ctx.saved_tensors
+        q2 = q2[0] if q2 else ctx.holder.q2
+        if grad_weight is None:
+            return None, grad_bias, None, None, None, None
+        if ctx.needs_input_grad[1] and grad_bias is None:
+            grad_bias = torch.zeros(grad_weight.shape[0], dtype=grad_weight.dtype, device=grad_weight.device)
+        new_weight, new_bias = bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=ctx.groups)
+        return new_weight, new_bias, None, None, None, None
+
+
+def bnp_precondition(
+    grad_weight: torch.Tensor,
+    grad_bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    var_t: torch.Tensor,
+    q2: torch.Tensor | float,
+    *,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """BNP's gradient transform ``(1/q²) P Pᵀ [G_b; G_w]`` (paper 004, Eq. 15; SPEC §5).
+
+    With ``P = [[1, -mu^T], [0, I]] · diag(1, 1/sqrt(var_t))``, per output channel ``d`` and
+    input channel ``p`` of its group (kernel positions share their channel's statistics)::
+
+        G_w[d, p, ...] <- (G_w[d, p, ...] - mu[p] * G_b[d]) / (q2 * var_t[p])
+        G_b[d]         <- G_b[d] / q2 - sum_{p, ...} mu[p] * G_w_new[d, p, ...]
+
+    Without a bias only the scaling ``G_w / (q2 * var_t)`` applies.
+
+    Args:
+        grad_weight: ``(C_out, C_in / groups, *kernel)`` (conv) or ``(out, in)`` (dense).
+        grad_bias: ``(C_out,)`` or ``None``.
+        mean, var_t: per-input-channel moments, length ``C_in`` (``var_t`` already
+            regularised: ``var + eps1 * max(var) + eps2``).
+        q2: the block-norm scale ``q²`` (0-dim tensor or float).
+        groups: convolution groups; output channel ``d`` sees input channels of group
+            ``d // (C_out / groups)`` (depthwise: ``groups = C_in``).
+
+    Returns:
+        The preconditioned ``(grad_weight, grad_bias)`` in their original dtypes.
+    """
+    out_channels = grad_weight.shape[0]
+    compute = torch.promote_types(grad_weight.dtype, torch.float32)
+    per_group = mean.numel() // groups
+    if grad_weight.dim() < 2 or grad_weight.shape[1] != per_group or out_channels % groups:
+        raise ValueError(
+            f"bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)} does not match "
+            f"{mean.numel()} input channels in {groups} group(s)"
+        )
+    shape = (out_channels, per_group) + (1,) * (grad_weight.dim() - 2)
+    mu, vt = mean.to(compute), var_t.to(compute)
+    if groups > 1:  # row d of the per-(output, input-channel) statistics: its group's channels
+        mu = mu.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+        vt = vt.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+    else:
+        mu, vt = mu.view(1, -1), vt.view(1, -1)
+    denominator = (vt * q2).view((-1,) + shape[1:]) if groups > 1 else (vt * q2).view((1,) + shape[1:])
+    gw = _acc(grad_weight, compute)
+    if grad_bias is None:
+        return (gw / denominator).to(grad_weight.dtype), None
+    gb = _acc(grad_bias, compute)
+    # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
+    # backward at one extra weight gradient per layer).
+    new_w = torch.addcmul(gw, mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
+    new_w.div_(denominator)
+    # sum_{p, kernel} mu[p] * new_w[d, p, kernel]: reduce the kernel first, then a row dot.
+    per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
+    new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)
+    return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)
+
+
+def bnp_q2(count: int | torch.Tensor, fan_in: int, in_spatial: tuple[int, ...],
+           out_spatial: tuple[int, ...] | None) -> float | torch.Tensor:
+    """BNP's ``q² = max(fan_in / N, floor)`` from the global count of input values per
+    channel: dense ``N = count``, floor 1; conv ``N = count / (H_in W_in)``, floor
+    ``sqrt(H_out W_out)`` (SPEC §5). A host count gives a float, a device count a tensor."""
+    numerator = float(fan_in) if out_spatial is None else float(fan_in * max(math.prod(in_spatial), 1))
+    floor = 1.0 if out_spatial is None else math.sqrt(math.prod(out_spatial))
+    if isinstance(count, int):
+        return max(numerator / max(count, 1), floor)
+    return torch.clamp_min(numerator / count.clamp_min(1.0), floor)
