@@ -78,7 +78,7 @@ def test_transform_equals_explicit_matrices(kind, add_bias):
     make, shape = LAYERS[kind]
     plain = make().double()
     layer = copy.deepcopy(plain)
-    distnorm.bnp.attach(layer, momentum=RHO, add_bias=add_bias)
+    distnorm.bnp.attach(layer, decay=RHO, add_bias=add_bias)
     if layer.bias is not None and plain.bias is None:  # BNP added a (zero) bias
         plain.bias = nn.Parameter(torch.zeros_like(layer.bias))
     mu = torch.zeros(shape[-1] if isinstance(plain, nn.Linear) else shape[1], dtype=torch.float64)
@@ -111,7 +111,7 @@ def test_transform_equals_explicit_matrices(kind, add_bias):
 
 def test_dense_single_sample_uses_running_mean_for_variance():
     layer = nn.Linear(3, 2).double()
-    distnorm.bnp.attach(layer, momentum=RHO)
+    distnorm.bnp.attach(layer, decay=RHO)
     x1 = torch.randn(8, 3, dtype=torch.float64)
     layer(x1).sum().backward()
     mu1 = layer.bnp_mean.clone()
@@ -193,7 +193,7 @@ def test_handle_state_dict_round_trip_and_model_state_dict():
     other2.load_state_dict(model.state_dict())  # the moments travel with the model's state_dict
     assert torch.equal(other2[0].bnp_mean, model[0].bnp_mean)
     with pytest.raises(ValueError, match="configuration"):
-        distnorm.bnp.attach(_small_cnn(), momentum=0.9, exclude=["9"]).load_state_dict(saved)
+        distnorm.bnp.attach(_small_cnn(), decay=0.9, exclude=["9"]).load_state_dict(saved)
     assert distnorm.check_consistency(model) == 6
 
 
@@ -215,8 +215,8 @@ def test_bad_input():
         distnorm.bnp.attach(_small_cnn(), layers=(nn.Conv2d, nn.ConvTranspose2d))
     with pytest.raises(ValueError, match="no layer"):
         distnorm.bnp.attach(nn.Sequential(nn.ReLU()))
-    with pytest.raises(ValueError, match="momentum"):
-        distnorm.bnp.attach(_small_cnn(), momentum=1.0)
+    with pytest.raises(ValueError, match="decay"):
+        distnorm.bnp.attach(_small_cnn(), decay=1.0)
     with pytest.raises(ValueError, match="both be 0"):
         distnorm.bnp.attach(_small_cnn(), eps1=0, eps2=0)
 

@@ -36,7 +36,7 @@ def _mixed_model(seed: int = 0) -> nn.Module:
         nn.Conv2d(8, 8, 3, padding=1), distnorm.SyncBatchNorm(8), nn.ReLU(),
         distnorm.POPNorm(8), nn.Conv2d(8, 4, 1, bias=False), nn.Flatten(), nn.Linear(4 * 6 * 6, 3),
     )
-    distnorm.bnp.attach(model, exclude=["0", "3"], momentum=0.5)
+    distnorm.bnp.attach(model, exclude=["0", "3"], decay=0.5)
     return model
 
 
@@ -397,7 +397,7 @@ def test_bnp_refuses_layers_whose_forward_never_runs():
 def test_bnp_q2_follows_the_output_size():
     torch.manual_seed(0)
     layer = nn.Sequential(_StandardizedConv(3, 4, 3, stride=2))
-    distnorm.bnp.attach(layer, momentum=0.0, eps1=0.0, eps2=1.0)
+    distnorm.bnp.attach(layer, decay=0.0, eps1=0.0, eps2=1.0)
     x = torch.randn(2, 3, 9, 9)
     layer(x).sum().backward()
     conv = layer[0]

@@ -109,7 +109,7 @@ class AccelerateEngine(Engine):
     def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         from accelerate import Accelerator
 
-        import distnorm.integrations.accelerate as dn
+        import distnorm.integrations.accelerate as dn  # imports accelerate (optional)
 
         cpu = cfg.train.cpu or not torch.cuda.is_available()
         # One scheduler step per optimizer step (Accelerate's default steps it once per
@@ -160,7 +160,7 @@ class DeepSpeedEngine(Engine):
     def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         import deepspeed
 
-        import distnorm.integrations.deepspeed as dn
+        import distnorm.integrations.deepspeed as dn  # imports deepspeed (optional)
 
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() and not cfg.train.cpu else "gloo")

@@ -1,0 +1,199 @@
+"""The package's structure and names: no import circle, one owner per default, one name per
+value (with the former names read once, with a FutureWarning)."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import distnorm
+from distnorm import functional
+from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+
+PACKAGE = Path(distnorm.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    """distnorm's module-level import graph (``from a import b`` counts as importing
+    ``a.b`` when that is a module, else ``a``), and every distnorm import made inside a
+    function."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    modules = {_module_name(p) for p in paths}
+    graph: dict[str, set[str]] = {}
+    inside_functions: list[str] = []
+    for path in paths:
+        module = _module_name(path)
+        tree = ast.parse(path.read_text())
+        in_function = {id(inner) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       for inner in ast.walk(f) if inner is not f}
+        targets: list[tuple[str, ast.AST]] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets += [(a.name, node) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                targets += [(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module, node)
+                            for a in node.names]
+        graph[module] = set()
+        for target, node in targets:
+            if not target.startswith("distnorm"):
+                continue
+            if id(node) in in_function:
+                # The integrations import their optional engine (DeepSpeed, Accelerate) when
+                # imported, so importing them lazily is a lazy import of that package.
+                if not target.startswith("distnorm.integrations."):
+                    inside_functions.append(f"{module}:{node.lineno} imports {target}")
+            elif target != module:
+                graph[module].add(target)
+    return graph, inside_functions
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph``, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circle_and_no_distnorm_import_inside_a_function():
+    """Bugs caught: a circle of imports hidden by imports inside functions (specs.build()
+    importing layers, _ops importing bnp, _functions importing _ops)."""
+    graph, inside_functions = _graph()
+    # (Integrations are loaded by name through importlib where an engine is met: a plugin
+    # mechanism, not an import this walk sees. Docstring examples are not code.)
+    assert inside_functions == []
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    graph["distnorm.specs"].add("distnorm.layers")  # the checker finds the circle this would close
+    assert _cycle(graph) is not None
+
+
+def test_the_core_layers_sit_below_specs_builders_and_bnp():
+    """Bugs caught: the specs importing a layer again; BNP's statistics moving back above the
+    custom operators."""
+    graph, _ = _graph()
+    assert not any(t.startswith("distnorm") for t in graph["distnorm.specs"])
+    assert "distnorm.bnp" not in graph["distnorm._ops"]
+    assert "distnorm._ops" not in graph["distnorm._functions"]
+
+
+def test_specs_build_every_layer_and_convert_goes_through_them():
+    """Bugs caught: convert building SyncBatchNorm / GroupNorm itself with defaults of its
+    own; GroupNorm's 32 groups hidden in code."""
+    assert isinstance(CBNSpec(rho=2.0).build(8), distnorm.CBN)
+    assert distnorm.POPNorm(8).kappa == POPNormSpec.kappa == POPNormSpec().build(8).kappa
+    new_bn = SyncBNSpec().build(8)
+    assert (new_bn.eps, new_bn.momentum) == (distnorm.specs.EPS, distnorm.specs.MOMENTUM)
+    assert GNSpec().build(64).num_groups == GNSpec.default_groups == 32
+    bn = nn.BatchNorm2d(8, eps=1e-3, momentum=0.3)
+    kept = SyncBNSpec().build(8, replacing=bn)
+    assert (kept.eps, kept.momentum, kept.weight) == (1e-3, 0.3, bn.weight)  # shares the Parameter
+    assert SyncBNSpec(eps=1e-4).build(8, replacing=bn).eps == 1e-4
+    assert GNSpec(num_groups=4).build(8, replacing=bn).eps == 1e-3
+    with pytest.raises(TypeError, match="not a layer"):
+        BNPSpec().build(8)
+
+
+def test_functional_cbn_evaluates_like_the_module():
+    """Bug caught: ``eval_stats=None`` meaning "auto" in CBN() but "amat" in
+    functional.cbn(spec=CBNSpec()): the module and the functional form evaluated differently."""
+    layer = distnorm.CBN(4)
+    distnorm.set_lr(layer, 0.2)  # eta = 0: "auto" evaluates with the running statistics
+    for _ in range(3):
+        layer(torch.randn(16, 4) * 3 + 1)
+    layer.eval()
+    x = torch.randn(8, 4)
+    buffers = functional.CBNBuffers(layer.amat_mean, layer.amat_var, layer.amat_initialized, layer.running_mean,
+                                    layer.running_var, layer.num_batches_tracked)
+    y = functional.cbn(x, layer.weight, layer.bias, buffers, training=False, eta=layer.amat_eta, spec=CBNSpec())
+    torch.testing.assert_close(y, layer(x), rtol=0, atol=0)
+    assert CBNSpec().resolved_eval_stats == "auto" and CBNSpec(amat=False).resolved_eval_stats == "running"
+    assert POPNormSpec(kappa=2.0).as_cbn().rho == 2.0
+
+
+def test_bnp_history_weight_is_called_decay_everywhere():
+    """Bugs caught: BNP's history weight under four names; ``BNPHandle.config.exclude``
+    always ``()``."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    handle = distnorm.bnp.attach(model, decay=0.9, exclude=["2", nn.ReLU])
+    assert handle.config.decay == 0.9 and handle.config.exclude == ("2",)
+    assert handle.exclude == ("2", nn.ReLU) and list(handle.layers) == ["0"]
+    saved = handle.state_dict()
+    assert saved["config"]["decay"] == 0.9
+    handle.detach()
+    with pytest.warns(FutureWarning, match="decay"):
+        old = distnorm.bnp.attach(model, momentum=0.9, exclude=["2"])
+    assert old.config == BNPSpec(decay=0.9, exclude=("2",))
+    saved["config"]["momentum"] = saved["config"].pop("decay")  # a state written before the rename
+    with pytest.warns(FutureWarning, match="momentum"):
+        old.load_state_dict(saved)
+    old.detach()
+    assert BNPSpec(decay=0.5).attach(model).config.decay == 0.5
+
+
+def test_sync_group_size_is_the_ranks_per_group_and_group_size_still_reads():
+    """Bug caught: ``group_size`` meaning ranks per group in the config and channels per group
+    in GNSpec."""
+    with pytest.warns(FutureWarning, match="sync_group_size"):
+        cfg = distnorm.DistNormConfig.from_dict({"norm": "cbn", "group_size": 2})
+    assert cfg.sync_group_size == 2
+    with pytest.warns(FutureWarning):
+        assert cfg.group_size == 2
+    with pytest.warns(FutureWarning):
+        assert distnorm.DistNormConfig.from_env({"DISTNORM_GROUP_SIZE": "4"}).sync_group_size == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name warns about nothing
+        assert distnorm.DistNormConfig.from_env({"DISTNORM_SYNC_GROUP_SIZE": "4"}).sync_group_size == 4
+    with pytest.raises(ValueError, match="sync_group_size only"):
+        distnorm.DistNormConfig.from_dict({"group_size": 2, "sync_group_size": 2})
+
+
+def test_engine_wrappers_are_registered_not_matched_by_name():
+    """Bug caught: the core recognising DeepSpeed engines by class name; an integration now
+    registers what it wraps (loaded when a module of its library is met)."""
+    from distnorm import _wrappers
+
+    class DistributedDataParallel(nn.Module):  # a user class with a wrapper's name is no wrapper
+        pass
+
+    assert _wrappers.wrapper_name(DistributedDataParallel()) is None
+    labels = [label for _, label in _wrappers._WRAPPERS]
+    assert "torch DistributedDataParallel" in labels
+    if "deepspeed" in sys.modules or _importable("deepspeed"):
+        import deepspeed
+
+        _wrappers.wrapper_name(nn.Linear(1, 1))  # nothing loaded for torch's own modules
+        engine = deepspeed.DeepSpeedEngine.__new__(deepspeed.DeepSpeedEngine)
+        nn.Module.__init__(engine)
+        assert _wrappers.wrapper_name(engine) == "DeepSpeed"
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
