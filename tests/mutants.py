@@ -156,7 +156,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "bnp-local-moments",
         "BNP moments from all-reduced statistics: 2 ranks equal 1 process",
-        "distnorm/bnp.py",
+        "distnorm/_bnp_functions.py",
         "    moments = _collectives.global_moments(h, state.group(), layer=f\"BNP '{state.name}'\")\n",
         "    moments = _collectives.global_moments(h, None, layer=f\"BNP '{state.name}'\")\n",
         ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
