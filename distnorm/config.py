@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import warnings
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from distnorm.convert import ACTIVATIONS, NORMS
+from distnorm.settings import Section, boolean, coerce, non_negative_int, one_of, optional, param, positive, positive_int
 from distnorm.specs import NORM_SPECS, BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __all__ = ["DistNormConfig", "add_arguments", "ENV_PREFIX"]
@@ -52,46 +52,46 @@ LEGACY_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass
-class DistNormConfig:
-    """What the plugin does to a model. Field help doubles as ``--help`` text."""
+@dataclass(frozen=True)
+class DistNormConfig(Section):
+    """What the plugin does to a model. Field help doubles as ``--help`` text.
 
-    norm: str = field(default=OFF, metadata={"help": f"normalization: {', '.join(NORMS)}, or {OFF} to leave it alone", "choices": (*NORMS, OFF)})
-    activation: str | None = field(default=None, metadata={"help": "replace activations: " + ", ".join(ACTIVATIONS), "choices": tuple(ACTIVATIONS)})
+    Sections may be given as mappings (``cbn={"rho": 2.0}``) and ``bnp`` as ``True`` (on,
+    with its defaults) or ``False`` / ``None`` (off).
+    """
+
+    label: ClassVar[str] = "distnorm config"
+
+    norm: str = param(OFF, f"normalization: {', '.join(NORMS)}, or {OFF} to leave it alone", one_of(*NORMS, OFF),
+                      choices=(*NORMS, OFF))
+    activation: str | None = param(None, "replace activations: " + ", ".join(ACTIVATIONS), one_of(None, *ACTIVATIONS),
+                                   choices=tuple(ACTIVATIONS))
     cbn: CBNSpec = field(default_factory=CBNSpec, metadata={"help": "CBN hyper-parameters (norm=cbn)"})
     popnorm: POPNormSpec = field(default_factory=POPNormSpec, metadata={"help": "POP-Norm hyper-parameters (norm=popnorm)"})
     bn: SyncBNSpec = field(default_factory=SyncBNSpec, metadata={"help": "synchronized BatchNorm hyper-parameters (norm=bn)"})
     gn: GNSpec = field(default_factory=GNSpec, metadata={"help": "GroupNorm hyper-parameters (norm=gn)"})
-    bnp: BNPSpec | None = field(default=None, metadata={"help": "attach BNP gradient preconditioning (None: off)"})
-    sync_group_size: int | None = field(default=None, metadata={"help": "synchronize within groups of this many consecutive ranks, e.g. one node (default: all ranks)"})
-    own_communicator: bool = field(default=False, metadata={"help": "run the layers' all-reduces on a communicator of their own, so on NCCL they do not queue behind DDP's / ZeRO's gradient buckets (one more communicator)"})
-    check_every: int = field(default=200, metadata={"help": "verify buffers are identical across ranks every N training forwards (0: never)"})
-    collective_timeout_s: float | None = field(default=None, metadata={"help": "timeout of the sub-groups distnorm creates (default: the default group's)"})
+    bnp: BNPSpec | None = param(None, "attach BNP gradient preconditioning (None: off)", section=BNPSpec)
+    sync_group_size: int | None = param(None, "synchronize within groups of this many consecutive ranks, e.g. one "
+                                              "node (default: all ranks)", optional(positive_int))
+    own_communicator: bool = param(False, "run the layers' all-reduces on a communicator of their own, so on NCCL "
+                                          "they do not queue behind DDP's / ZeRO's gradient buckets (one more "
+                                          "communicator)", boolean)
+    check_every: int = param(200, "verify buffers are identical across ranks every N training forwards (0: never)",
+                             non_negative_int)
+    collective_timeout_s: float | None = param(None, "timeout of the sub-groups distnorm creates (default: the "
+                                                     "default group's)", optional(positive))
 
     def __post_init__(self) -> None:
-        if self.norm not in (*NORMS, OFF):
-            raise ValueError(f"distnorm config: norm must be one of {(*NORMS, OFF)}, got {self.norm!r}")
-        if self.activation is not None and self.activation not in ACTIVATIONS:
-            raise ValueError(f"distnorm config: activation must be one of {tuple(ACTIVATIONS)} or None, got {self.activation!r}")
-        if self.bnp is True:
-            self.bnp = BNPSpec()
-        elif self.bnp is False:
-            self.bnp = None
+        bnp = {True: BNPSpec(), False: None}.get(self.bnp, self.bnp) if isinstance(self.bnp, bool) else self.bnp
+        object.__setattr__(self, "bnp", bnp)
         for name, cls in SECTIONS.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):
-                setattr(self, name, cls.from_kwargs(f"distnorm config section {name!r}", **value))
+                object.__setattr__(self, name, cls.from_kwargs(f"distnorm config section {name!r}", **value))
             elif not (isinstance(value, cls) or (name == "bnp" and value is None)):
                 raise ValueError(f"distnorm config: {name} must be a {cls.__name__}"
                                  f"{' or None' if name == 'bnp' else ''}, got {value!r}")
-        if self.sync_group_size is not None and not (isinstance(self.sync_group_size, int) and self.sync_group_size >= 1):
-            raise ValueError(f"distnorm config: sync_group_size must be >= 1 or None, got {self.sync_group_size!r}")
-        if self.collective_timeout_s is not None and not (isinstance(self.collective_timeout_s, (int, float))
-                                                          and math.isfinite(self.collective_timeout_s)
-                                                          and self.collective_timeout_s > 0):
-            raise ValueError(f"distnorm config: collective_timeout_s must be > 0 or None, got {self.collective_timeout_s!r}")
-        if not (isinstance(self.check_every, int) and self.check_every >= 0):
-            raise ValueError(f"distnorm config: check_every must be >= 0, got {self.check_every!r}")
+        super().__post_init__()
 
     @property
     def group_size(self) -> int | None:
@@ -167,14 +167,14 @@ class DistNormConfig:
                 continue
             name = key[len(prefix):].lower()
             if name == "group_size":  # former name of sync_group_size (from_dict warns)
-                values[name] = _parse(options["sync_group_size"], raw, key)
+                values[name] = coerce(options["sync_group_size"], raw, key)
                 continue
             if name in LEGACY_KEYS and name not in options:
                 values[name] = raw  # typed by _nest_legacy
                 continue
             if name not in options:
                 raise ValueError(f"unknown environment variable {key}; known: {sorted(prefix + n.upper() for n in options)}")
-            values[name] = _parse(options[name], raw, key)
+            values[name] = coerce(options[name], raw, key)
         return cls._from_options(values, where="environment")
 
     @classmethod
@@ -237,10 +237,8 @@ def _nest_legacy(values: dict[str, Any], where: str, *, warn: bool) -> dict[str,
 
 def _coerce(section: str, name: str, value: Any) -> Any:
     """A value read as text (environment) in the type of its spec field."""
-    if not isinstance(value, str) or name == "exclude" or name == "eval_stats":
-        return value
     f = next(f for f in fields(SECTIONS[section]) if f.name == name)
-    return _parse(f, value, f"{section}.{name}")
+    return coerce(f, value, f"{section}.{name}")
 
 
 def _options() -> dict[str, dataclasses.Field]:
@@ -261,27 +259,6 @@ def _options() -> dict[str, dataclasses.Field]:
 
 def _dest(name: str) -> str:
     return "distnorm" if name == "norm" else f"distnorm_{name}"
-
-
-def _parse(f: Any, raw: str, where: str) -> Any:
-    text = raw.strip()
-    kind = str(f.type)
-    if text.lower() in ("none", "") and "None" in kind:
-        return None
-    try:
-        if kind.startswith("bool"):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if kind.startswith("int"):
-            return int(text)
-        if kind.startswith("float"):
-            return float(text)
-    except ValueError:
-        raise ValueError(f"{where}={raw!r} is not a valid {kind.split(' ')[0]}") from None
-    return text
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

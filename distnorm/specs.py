@@ -34,9 +34,20 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar
+
+from distnorm.settings import (
+    Section,
+    boolean,
+    non_negative,
+    one_of,
+    optional,
+    param,
+    positive,
+    positive_int,
+    unit_interval,
+)
 
 __all__ = ["CBNSpec", "POPNormSpec", "SyncBNSpec", "GNSpec", "BNPSpec", "NORM_SPECS", "EVAL_STATS", "spec_fields",
            "register_builder"]
@@ -61,57 +72,18 @@ def register_builder(spec_type: type, builder: Callable[..., Any]) -> None:
 
 
 # ------------------------------------------------------------------------ checks
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def positive(value: Any) -> str | None:
-    return None if _number(value) and value > 0 else "must be a positive finite number"
-
-
-def non_negative(value: Any) -> str | None:
-    return None if _number(value) and value >= 0 else "must be a finite number >= 0"
-
-
 def new_batch_weight(value: Any) -> str | None:
-    if value is None or (_number(value) and 0.0 <= value <= 1.0):
+    if value is None or unit_interval(value) is None:
         return None
     return "must be in [0, 1] or None (cumulative average)"
 
 
 def history_weight(value: Any) -> str | None:
-    return None if _number(value) and 0.0 <= value < 1.0 else "must be in [0, 1)"
+    return None if non_negative(value) is None and value < 1.0 else "must be in [0, 1)"
 
 
 def ratio_clamp(value: Any) -> str | None:
-    return None if _number(value) and value >= 1.0 else "must be >= 1 (ratios are clamped to [1/r_max, r_max])"
-
-
-def boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else "must be true or false"
-
-
-def optional_positive_int(value: Any) -> str | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return None
-    return "must be an int >= 1 or None"
-
-
-def positive_int(value: Any) -> str | None:
-    return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be an int >= 1"
-
-
-def one_of(*choices: Any) -> Callable[[Any], str | None]:
-    def check(value: Any) -> str | None:
-        return None if value in choices else f"must be one of {choices}"
-
-    return check
-
-
-def param(default: Any, help: str, check: Callable[[Any], str | None] | None = None, **extra: Any) -> Any:
-    """A spec field: its default, its ``--help`` text and its check (``None`` if valid, else
-    the reason)."""
-    return field(default=default, metadata={"help": help, "check": check, **extra})
+    return None if positive(value) is None and value >= 1.0 else "must be >= 1 (ratios are clamped to [1/r_max, r_max])"
 
 
 def spec_fields(spec: type["_Spec"] | "_Spec") -> tuple[dataclasses.Field, ...]:
@@ -120,29 +92,9 @@ def spec_fields(spec: type["_Spec"] | "_Spec") -> tuple[dataclasses.Field, ...]:
 
 
 @dataclass(frozen=True)
-class _Spec:
-    """Validation and small conveniences shared by the specs."""
-
-    label: ClassVar[str]  # how errors name the layer ("CBN", "BNP", ...)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            check = f.metadata.get("check")
-            value = getattr(self, f.name)
-            reason = check(value) if check is not None else None
-            if reason:
-                raise ValueError(f"{self.label}: {f.name} {reason}, got {value!r}")
-        self._check_together()
-
-    def _check_together(self) -> None:
-        """Constraints between fields (subclasses)."""
-
-    def kwargs(self) -> dict[str, Any]:
-        """The fields as keyword arguments of the layer (or of ``bnp.attach``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    def replace(self, **changes: Any) -> "_Spec":
-        return dataclasses.replace(self, **changes)
+class _Spec(Section):
+    """A layer's (or BNP's) hyper-parameters: a :class:`~distnorm.settings.Section` that
+    builds what it describes. ``label`` names the layer in errors ("CBN", "BNP", ...)."""
 
     def _builder(self) -> Callable[..., Any]:
         try:
@@ -213,14 +165,6 @@ class POPNormSpec(_Spec):
                        eval_stats="running", sync=self.sync)
 
 
-def optional_positive(value: Any) -> str | None:
-    return None if value is None else positive(value)
-
-
-def optional_new_batch_weight(value: Any) -> str | None:
-    return None if value is None else new_batch_weight(value)
-
-
 @dataclass(frozen=True)
 class SyncBNSpec(_Spec):
     """Synchronized BatchNorm (``torch.nn.BatchNorm*`` over the global batch). Converting a
@@ -228,9 +172,9 @@ class SyncBNSpec(_Spec):
 
     label: ClassVar[str] = "SyncBatchNorm"
     eps: float | None = param(None, f"added to the variance (default: the replaced BatchNorm's; {EPS} for a new layer)",
-                              optional_positive)
+                              optional(positive))
     momentum: float | None = param(None, "running statistics: weight of the new batch (default: the replaced "
-                                         f"BatchNorm's; {MOMENTUM} for a new layer)", optional_new_batch_weight)
+                                         f"BatchNorm's; {MOMENTUM} for a new layer)", new_batch_weight)
 
     def resolved(self, replacing: Any = None) -> dict[str, Any]:
         """``eps`` and ``momentum`` of the layer to build: the given values, else the
@@ -250,10 +194,10 @@ class GNSpec(_Spec):
     #: Groups when neither ``num_groups`` nor ``group_size`` is given (Wu & He's default).
     default_groups: ClassVar[int] = 32
     num_groups: int | None = param(None, "number of groups (default 32 when group_size is not given)",
-                                   optional_positive_int)
-    group_size: int | None = param(None, "channels per group (instead of num_groups)", optional_positive_int)
+                                   optional(positive_int))
+    group_size: int | None = param(None, "channels per group (instead of num_groups)", optional(positive_int))
     eps: float | None = param(None, f"added to the variance (default: the replaced BatchNorm's; {EPS} for a new layer)",
-                              optional_positive)
+                              optional(positive))
 
     def _check_together(self) -> None:
         if self.num_groups is not None and self.group_size is not None:

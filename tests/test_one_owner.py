@@ -97,7 +97,7 @@ def test_the_core_layers_sit_below_specs_builders_and_bnp():
     """Bugs caught: the specs importing a layer again; BNP's statistics moving back above the
     custom operators."""
     graph, _ = _graph()
-    assert not any(t.startswith("distnorm") for t in graph["distnorm.specs"])
+    assert graph["distnorm.specs"] == {"distnorm.settings"} and graph["distnorm.settings"] == set()
     assert "distnorm.bnp" not in graph["distnorm._ops"]
     assert "distnorm._ops" not in graph["distnorm._functions"]
 
@@ -197,3 +197,26 @@ def _importable(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_one_way_to_declare_and_read_every_setting():
+    """Bugs caught: a configuration value declared outside a Section (no check, no help); a
+    key the generated help (``distnorm-train --help-config``) does not list."""
+    import dataclasses
+
+    from distnorm.settings import Section
+    from distnorm.train.cli import main
+    from distnorm.train.config import TrainConfig, describe_config
+
+    sections = [type(f.default_factory()) for f in dataclasses.fields(TrainConfig)]
+    sections += [distnorm.specs.BNPSpec, *distnorm.specs.NORM_SPECS.values()]
+    for cls in sections:
+        assert issubclass(cls, Section) and cls.__dataclass_params__.frozen, cls
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), (cls.__name__, f.name)
+    listing = describe_config()
+    for section in ("model", "data", "optim", "train", "output"):
+        for f in dataclasses.fields(type(getattr(TrainConfig(), section))):
+            assert f"  {section}.{f.name} (" in listing
+    assert "distnorm.cbn.r_max (" in listing and "distnorm.bnp.decay (" in listing
+    assert main(["--help-config"]) == 0

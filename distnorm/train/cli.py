@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from distnorm.train.config import ConfigError, load_config
+from distnorm.train.config import ConfigError, describe_config, load_config
 from distnorm.train.engines import local_world
 from distnorm.train.loop import check_setup, train
 
@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="distnorm-train",
         description="Train an ImageNet / CIFAR / demo recipe with synchronized CBN, POP-Norm, BN or BNP.",
     )
-    parser.add_argument("--config", required=True, help="recipe YAML (see configs/)")
+    parser.add_argument("--config", help="recipe YAML (see configs/)")
+    parser.add_argument("--help-config", action="store_true",
+                        help="print every key of a recipe with its type, default and help, then exit")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.epochs=2")
     parser.add_argument("--dry-run", action="store_true",
                         help="build the model, engine and plugin, run two steps on a synthetic batch; no data needed")
@@ -54,7 +56,13 @@ def set_log_level(level: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.help_config:
+        print(describe_config())
+        return 0
+    if args.config is None:
+        parser.error("the following arguments are required: --config")
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

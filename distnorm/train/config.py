@@ -19,17 +19,31 @@ accepted ones: no key in a config is ignored silently.
 from __future__ import annotations
 
 import copy
-import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
 from distnorm import models
 from distnorm.config import DistNormConfig
 from distnorm.data.loaders import TRANSFORM_PRESETS
+from distnorm.settings import (
+    Section,
+    boolean,
+    describe,
+    from_mapping,
+    increasing_ints,
+    non_negative,
+    non_negative_int,
+    one_of,
+    optional,
+    param,
+    positive,
+    positive_int,
+    text,
+)
 
 __all__ = ["TrainConfig", "load_config", "apply_overrides", "ENGINES", "PRECISIONS"]
 
@@ -41,76 +55,103 @@ class ConfigError(ValueError):
     """A recipe configuration is invalid; the message says which key and why."""
 
 
-@dataclass
-class ModelConfig:
-    name: str = "resnet18"
-    num_classes: int = 1000
-
-
-@dataclass
-class DataConfig:
-    train_shards: str | None = None
-    train_index: str | None = None
-    val_shards: str | None = None
-    val_index: str | None = None
-    transform: str = "imagenet"
-    image_size: int = 224
-    num_workers: int = 8
-    eval_workers: int = 4
-    prefetch_factor: int = 2
-    shuffle_buffer: int = 5000
-    eval_batch_size: int | None = None  # per rank; default: the training per-rank batch
-    on_error: str = "raise"
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 0.1
-    momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 1e-4
-    milestones: list[int] = field(default_factory=lambda: [30, 60, 90])
-    gamma: float = 0.1
-    warmup_epochs: float = 0.0
-    warmup_start_factor: float = 0.1
-
-
-@dataclass
-class RunConfig:
-    engine: str = "accelerate"
-    epochs: int = 120
-    global_batch_size: int = 256
-    seed: int = 0
-    precision: str = "fp32"
-    cpu: bool = False
-    deepspeed_config: str | None = None
-    max_steps: int | None = None  # stop early (smoke tests); the schedule still spans `epochs`
-    eval_every_epochs: int = 1
-    collective_timeout_s: float = 600.0  # every collective of the run fails after this long
-    on_nonfinite: str = "stop"  # a NaN/Inf loss on any rank: "stop" (error) or "skip" the step everywhere
-    debug: bool = False  # distnorm debug mode: name the first layer with non-finite statistics
-
-
-@dataclass
-class OutputConfig:
-    dir: str = "runs/default"
-    checkpoint_every_steps: int = 0  # also mid-epoch; 0: only at the end of each epoch
-    keep_last: int = 3
-    log_every: int = 20
-    tensorboard: bool = True
-    progress: bool = True
-    monitors: bool = False  # theory monitors (distnorm.monitors), logged as kind "monitor"
-    monitor_every: int = 50
-    # Console logging of distnorm and the libraries (Accelerate, DeepSpeed, torch): the
-    # progress bar and one summary line per epoch are printed regardless.
-    log_level: str = "warning"
-
-
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-@dataclass
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    label: ClassVar[str] = "model"
+    qualified: ClassVar[bool] = True
+
+    name: str = param("resnet18", "architecture (distnorm.models.available())", one_of(*models.available()))
+    num_classes: int = param(1000, "classes of the classifier", positive_int)
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    label: ClassVar[str] = "data"
+    qualified: ClassVar[bool] = True
+
+    train_shards: str | None = param(None, "training shards, a brace pattern (data/imagenet/train-{000000..001281}.tar)")
+    train_index: str | None = param(None, "index file of the training shards (distnorm.data.shards)")
+    val_shards: str | None = param(None, "evaluation shards, a brace pattern")
+    val_index: str | None = param(None, "index file of the evaluation shards")
+    transform: str = param("imagenet", "augmentation preset", one_of(*TRANSFORM_PRESETS))
+    image_size: int = param(224, "training crop size", positive_int)
+    num_workers: int = param(8, "DataLoader workers per rank (training)", non_negative_int)
+    eval_workers: int = param(4, "DataLoader workers per rank (evaluation)", non_negative_int)
+    prefetch_factor: int = param(2, "batches each worker loads ahead", positive_int)
+    shuffle_buffer: int = param(5000, "samples in the shuffle buffer per worker", positive_int)
+    eval_batch_size: int | None = param(None, "per-rank evaluation batch (default: the training per-rank batch)",
+                                        optional(positive_int))
+    on_error: str = param("raise", "an undecodable sample: 'raise', or 'skip' it (counted and reported)",
+                          one_of("raise", "skip"))
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    label: ClassVar[str] = "optim"
+    qualified: ClassVar[bool] = True
+
+    lr: float = param(0.1, "peak learning rate (SGD)", positive)
+    momentum: float = param(0.9, "SGD momentum", non_negative)
+    nesterov: bool = param(False, "Nesterov momentum", boolean)
+    weight_decay: float = param(1e-4, "weight decay", non_negative)
+    milestones: list[int] = param([30, 60, 90], "epochs at which the learning rate is multiplied by gamma",
+                                  increasing_ints)
+    gamma: float = param(0.1, "learning-rate factor at each milestone", positive)
+    warmup_epochs: float = param(0.0, "linear warm-up length in epochs", non_negative)
+    warmup_start_factor: float = param(0.1, "warm-up starts at this fraction of lr", positive)
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    label: ClassVar[str] = "train"
+    qualified: ClassVar[bool] = True
+
+    engine: str = param("accelerate", "training engine (each named after its library)", one_of(*ENGINES))
+    epochs: int = param(120, "epochs the schedule spans", positive_int)
+    global_batch_size: int = param(256, "samples per optimizer step over every rank", positive_int)
+    seed: int = param(0, "seed of the model initialisation and the data order", non_negative_int)
+    precision: str = param("fp32", "fp32, or bf16 / fp16 autocast", one_of(*PRECISIONS))
+    cpu: bool = param(False, "train on the CPU even where CUDA is available", boolean)
+    deepspeed_config: str | None = param(None, "DeepSpeed JSON (ZeRO stage, precision) for engine=deepspeed")
+    max_steps: int | None = param(None, "stop after this many steps (smoke tests); the schedule still spans epochs",
+                                  optional(positive_int))
+    eval_every_epochs: int = param(1, "evaluate every N epochs", positive_int)
+    collective_timeout_s: float = param(600.0, "every collective of the run fails after this long", positive)
+    on_nonfinite: str = param("stop", "a NaN/Inf loss on any rank: 'stop' (error) or 'skip' the step everywhere",
+                              one_of("stop", "skip"))
+    debug: bool = param(False, "distnorm debug mode: name the first layer with non-finite statistics", boolean)
+
+    def _check_together(self) -> None:
+        if self.engine == "deepspeed" and not self.deepspeed_config:
+            raise ValueError("train.engine=deepspeed needs train.deepspeed_config (a DeepSpeed JSON file)")
+
+
+@dataclass(frozen=True)
+class OutputConfig(Section):
+    label: ClassVar[str] = "output"
+    qualified: ClassVar[bool] = True
+
+    dir: str = param("runs/default", "run directory: metrics, checkpoints, TensorBoard", text)
+    checkpoint_every_steps: int = param(0, "also checkpoint mid-epoch every N steps (0: at the end of each epoch only)",
+                                        non_negative_int)
+    keep_last: int = param(3, "checkpoints kept", positive_int)
+    log_every: int = param(20, "log metrics every N steps", positive_int)
+    tensorboard: bool = param(True, "write TensorBoard events", boolean)
+    progress: bool = param(True, "progress bar on rank 0", boolean)
+    monitors: bool = param(False, "theory monitors (distnorm.monitors), logged as kind 'monitor'", boolean)
+    monitor_every: int = param(50, "monitor every N steps", positive_int)
+    # The progress bar and one summary line per epoch are printed regardless.
+    log_level: str = param("warning", "console logging of distnorm and the libraries (Accelerate, DeepSpeed, torch)",
+                           one_of(*LOG_LEVELS))
+
+
+@dataclass(frozen=True)
 class TrainConfig:
+    """The recipe: one section per concern, each a :class:`~distnorm.settings.Section`."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     distnorm: DistNormConfig = field(default_factory=DistNormConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -120,15 +161,14 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ I/O
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {name: getattr(self, name).kwargs() for name in _SECTIONS if name != "distnorm"}
         out["distnorm"] = self.distnorm.to_dict()
-        return out
+        return {name: out[name] for name in _SECTIONS}
 
     def save(self, path: str | os.PathLike) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
 
-    # ------------------------------------------------------------- checks
     def per_rank_batch(self, world_size: int) -> int:
         if self.train.global_batch_size % world_size:
             raise ConfigError(
@@ -137,83 +177,25 @@ class TrainConfig:
             )
         return self.train.global_batch_size // world_size
 
-    def validate(self) -> None:
-        """Value checks that need no file system or launcher (done at construction)."""
-        t, o, d, op = self.train, self.output, self.data, self.optim
-        if self.model.name not in models.available():
-            raise ConfigError(f"model.name={self.model.name!r} is not one of {models.available()}")
-        if t.engine not in ENGINES:
-            raise ConfigError(f"train.engine={t.engine!r}; choose one of {ENGINES}")
-        if t.precision not in PRECISIONS:
-            raise ConfigError(f"train.precision={t.precision!r}; choose one of {PRECISIONS}")
-        if t.engine == "deepspeed" and not t.deepspeed_config:
-            raise ConfigError("train.engine=deepspeed needs train.deepspeed_config (a DeepSpeed JSON file)")
-        if t.on_nonfinite not in ("stop", "skip"):
-            raise ConfigError(f"train.on_nonfinite={t.on_nonfinite!r}; choose 'stop' or 'skip'")
-        if not t.collective_timeout_s > 0:
-            raise ConfigError(f"train.collective_timeout_s must be > 0, got {t.collective_timeout_s!r}")
-        if d.transform not in TRANSFORM_PRESETS:
-            raise ConfigError(f"data.transform={d.transform!r}; choose one of {TRANSFORM_PRESETS}")
-        if o.log_level not in LOG_LEVELS:
-            raise ConfigError(f"output.log_level={o.log_level!r}; choose one of {LOG_LEVELS}")
-        if d.on_error not in ("raise", "skip"):
-            raise ConfigError(f"data.on_error={d.on_error!r}; choose 'raise' or 'skip'")
-        for name, value in (("train.epochs", t.epochs), ("train.global_batch_size", t.global_batch_size),
-                            ("model.num_classes", self.model.num_classes), ("data.image_size", d.image_size),
-                            ("output.keep_last", o.keep_last), ("output.log_every", o.log_every),
-                            ("train.eval_every_epochs", t.eval_every_epochs)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if not (op.lr > 0 and math.isfinite(op.lr)):
-            raise ConfigError(f"optim.lr must be positive, got {op.lr!r}")
-        if sorted(op.milestones) != list(op.milestones):
-            raise ConfigError(f"optim.milestones must be increasing, got {op.milestones!r}")
-
 
 _SECTIONS = {f.name: f for f in fields(TrainConfig)}
 
 
-def _coerce(value: Any, kind: str, key: str) -> Any:
-    """Check (and where lossless, convert) a YAML value against a field's annotation."""
-    optional = kind.endswith("| None")
-    base = kind.replace("| None", "").strip()
-    if value is None:
-        if optional:
-            return None
-        raise ConfigError(f"{key} must not be empty")
-    if base == "float":
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif base == "int":
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif base == "bool":
-        if isinstance(value, bool):
-            return value
-    elif base == "str":
-        if isinstance(value, str):
-            return value
-    elif base == "list[int]":
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return value
-    else:  # pragma: no cover - a new annotation needs a case here
-        raise TypeError(f"unhandled config annotation {kind!r}")
-    raise ConfigError(f"{key}={value!r} is not a valid {kind}")
+def describe_config() -> str:
+    """Every key of a recipe with its type, default and help (``distnorm-train --help-config``),
+    generated from the sections' declarations."""
+    lines = []
+    for name, f in _SECTIONS.items():
+        lines.append(f"{name}:")
+        for key, kind, default, help_text in describe(type(f.default_factory()), f"{name}."):  # type: ignore[misc]
+            lines.append(f"  {key} ({kind}, default {default!r}): {help_text}")
+    return "\n".join(lines)
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
     if cls is DistNormConfig:
         return DistNormConfig.from_dict(values, where=f"config section {where!r}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {[f'{where}.{k}' for k in unknown]}; known keys in {where!r}: {sorted(known)}")
-    return cls(**{k: _coerce(v, str(known[k].type), f"{where}.{k}") for k, v in values.items()})
+    return from_mapping(cls, values, where)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -285,13 +267,13 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
         values = data.get(name) or {}
         if not isinstance(values, dict):
             raise ConfigError(f"section {name!r} must be a mapping, got {type(values).__name__}")
-        sections[name] = _build(f.default_factory().__class__, values, name)  # type: ignore[misc]
-    try:
-        cfg = TrainConfig(**sections)
-    except (TypeError, ValueError) as err:
-        raise ConfigError(str(err)) from err
-    cfg.validate()
-    return cfg
+        try:
+            sections[name] = _build(f.default_factory().__class__, values, name)  # type: ignore[misc]
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as err:
+            raise ConfigError(str(err)) from err
+    return TrainConfig(**sections)
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TrainConfig:
