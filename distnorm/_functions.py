@@ -63,6 +63,7 @@ from distnorm._collectives import ProcessGroup, constant
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
 __all__ = [
+    "CBNBuffers",
     "NormPlan",
     "NormState",
     "bn_statistics",
@@ -125,6 +126,26 @@ class NormState:
         new.__setstate__(copy.deepcopy(state, memo))
         new.process_group = group  # process groups are shared handles, never copied
         return new
+
+
+class CBNBuffers(NamedTuple):
+    """The statistics a CBN / POP-Norm layer keeps (its buffers), updated in place by a
+    training call. ``CBNBuffers.fresh(c)`` gives new ones for ``c`` channels."""
+
+    amat_mean: torch.Tensor
+    amat_var: torch.Tensor
+    amat_initialized: torch.Tensor
+    running_mean: torch.Tensor
+    running_var: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
+    @classmethod
+    def fresh(cls, channels: int, *, dtype: torch.dtype = torch.float32, device: Any = None) -> "CBNBuffers":
+        def vec(value: float) -> torch.Tensor:
+            return torch.full((channels,), value, dtype=dtype, device=device)
+
+        return cls(vec(0.0), vec(1.0), torch.zeros((), dtype=torch.bool, device=device), vec(0.0), vec(1.0),
+                   torch.zeros((), dtype=torch.long, device=device))
 
 
 class NormPlan(NamedTuple):
@@ -262,10 +283,8 @@ def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: to
 
 
 @torch.no_grad()
-def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, amat_mean: torch.Tensor,
-                   amat_var: torch.Tensor, amat_initialized: torch.Tensor, running_mean: torch.Tensor,
-                   running_var: torch.Tensor, num_batches_tracked: torch.Tensor, amat_eta: torch.Tensor,
-                   state: NormState, replay: bool = True) -> NormPlan:
+def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: CBNBuffers,
+                   amat_eta: torch.Tensor, state: NormState, replay: bool = True) -> NormPlan:
     """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history).
 
     Per channel, with ``eta`` from ``amat_eta`` (``state.history`` says whether it is > 0)::
@@ -281,6 +300,7 @@ def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, am
     replayed = _begin(x, state, replay)
     if replayed is not None:
         return replayed
+    amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked = buffers
     moments = _collectives.global_moments(x, state.group(), layer=state.name)
     count, mu_b, var_x, valid = moments
     acc = mu_b.dtype

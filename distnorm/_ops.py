@@ -25,7 +25,7 @@ from torch import Tensor
 
 from distnorm import _bnp_functions, _functions
 from distnorm._bnp_functions import BNPLayerState
-from distnorm._functions import NormPlan, NormState
+from distnorm._functions import CBNBuffers, NormPlan, NormState
 
 __all__ = ["bn_statistics", "bnp_statistics", "cbn_statistics", "no_grad_input", "normalize_backward", "register",
            "state_of"]
@@ -79,8 +79,8 @@ def _cbn_statistics_op(x: Tensor, weight: Tensor, bias: Tensor, amat_mean: Tenso
                        amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor,
                        num_batches_tracked: Tensor, amat_eta: Tensor,
                        key: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    plan = _functions.cbn_statistics(x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean,
-                                     running_var, num_batches_tracked, amat_eta, state_of(key), replay=False)
+    buffers = CBNBuffers(amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked)
+    plan = _functions.cbn_statistics(x, weight, bias, buffers, amat_eta, state_of(key), replay=False)
     return _fresh(tuple(plan))
 
 
@@ -152,14 +152,11 @@ def bn_statistics(x: Tensor, weight: Tensor | None, running_mean: Tensor | None,
     return _functions.bn_statistics(x, weight, running_mean, running_var, num_batches_tracked, state)
 
 
-def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, amat_mean: Tensor, amat_var: Tensor,
-                   amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor,
-                   num_batches_tracked: Tensor, amat_eta: Tensor, state: NormState) -> NormPlan:
-    args = (x, weight, bias, amat_mean, amat_var, amat_initialized, running_mean, running_var,
-            num_batches_tracked, amat_eta)
-    if _compiling():
-        return NormPlan(*torch.ops.distnorm.cbn_statistics(*args, state.key))
-    return _functions.cbn_statistics(*args, state)
+def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers, amat_eta: Tensor,
+                   state: NormState) -> NormPlan:
+    if _compiling():  # an operator's schema takes tensors: the buffers one by one
+        return NormPlan(*torch.ops.distnorm.cbn_statistics(x, weight, bias, *buffers, amat_eta, state.key))
+    return _functions.cbn_statistics(x, weight, bias, buffers, amat_eta, state)
 
 
 def normalize_backward(grad_out: Tensor, x: Tensor, center: Tensor, invstd: Tensor, grad_scale: Tensor,

@@ -344,7 +344,15 @@ def attach(
     exclude = tuple(exclude)
     patterns = tuple(item for item in exclude if isinstance(item, str))
     config = BNPSpec(decay=decay, eps1=eps1, eps2=eps2, add_bias=add_bias, exclude=patterns)  # validates
-    layers = tuple(layers)
+    chosen = _choose_layers(model, _supported(tuple(layers)), exclude)
+    for name, module in chosen.items():
+        _precondition(name, module, config, process_group)
+    root_hook = model.register_forward_hook(_FirstForwardCheck(chosen))
+    return BNPHandle(model, config, chosen, root_hook, exclude)
+
+
+def _supported(layers: tuple[Any, ...]) -> tuple[type[nn.Module], ...]:
+    """``layers`` if BNP can precondition every type in it, else a TypeError naming the other."""
     for kind in layers:
         if not (isinstance(kind, type) and issubclass(kind, SUPPORTED_LAYERS)):
             supported = ", ".join(f"nn.{t.__name__}" for t in SUPPORTED_LAYERS)
@@ -352,6 +360,12 @@ def attach(
                 f"bnp: cannot precondition {getattr(kind, '__name__', kind)!r} listed in layers=; "
                 f"BNP supports {supported} (and their subclasses). Remove it from layers=."
             )
+    return layers
+
+
+def _choose_layers(model: nn.Module, layers: tuple[type[nn.Module], ...],
+                   exclude: tuple[Any, ...]) -> dict[str, nn.Module]:
+    """The modules of ``model`` to precondition, refusing what BNP would silently miss."""
     chosen = {
         name: module
         for name, module in model.named_modules()
@@ -373,31 +387,33 @@ def attach(
     if not chosen:
         raise ValueError(
             "bnp: no layer to precondition (looked for "
-            f"{', '.join(t.__name__ for t in layers)}; exclude={exclude!r})"
+            f"{', '.join(t.__name__ for t in layers)}; exclude={list(exclude)!r})"
         )
-    for name, module in chosen.items():
-        weight = module.weight
-        in_channels = module.in_features if isinstance(module, nn.Linear) else module.in_channels
-        added_bias = False
-        if module.bias is None and config.add_bias:
-            module.bias = nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
-            added_bias = True
-        kw = dict(device=weight.device, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32)
-        module.register_buffer("bnp_mean", torch.zeros(in_channels, **kw))
-        module.register_buffer("bnp_var", torch.ones(in_channels, **kw))
-        module._distnorm_buffers = BUFFERS  # checked by distnorm.check_consistency
-        state = BNPLayerState(
-            name=name or "<root>", config=config, process_group=process_group, added_bias=added_bias,
-            dense=isinstance(module, nn.Linear), fan_in=math.prod(weight.shape[1:]),
-            groups=getattr(module, "groups", 1),
-        )
-        _ops.register(state)
-        state.hooks = [module.register_forward_pre_hook(_pre_forward),
-                       module.register_forward_hook(_post_forward, always_call=True)]
-        module._distnorm_bnp = state
-        module.__class__ = _preconditioned_class(type(module))
-    root_hook = model.register_forward_hook(_FirstForwardCheck(chosen))
-    return BNPHandle(model, config, chosen, root_hook, exclude)
+    return chosen
+
+
+def _precondition(name: str, module: nn.Module, config: BNPSpec, process_group: ProcessGroup | None) -> None:
+    """Give ``module`` its moments buffers, its state and its hooks (and a zero bias, if asked)."""
+    weight = module.weight
+    in_channels = module.in_features if isinstance(module, nn.Linear) else module.in_channels
+    added_bias = False
+    if module.bias is None and config.add_bias:
+        module.bias = nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
+        added_bias = True
+    kw = dict(device=weight.device, dtype=torch.float64 if weight.dtype == torch.float64 else torch.float32)
+    module.register_buffer("bnp_mean", torch.zeros(in_channels, **kw))
+    module.register_buffer("bnp_var", torch.ones(in_channels, **kw))
+    module._distnorm_buffers = BUFFERS  # checked by distnorm.check_consistency
+    state = BNPLayerState(
+        name=name or "<root>", config=config, process_group=process_group, added_bias=added_bias,
+        dense=isinstance(module, nn.Linear), fan_in=math.prod(weight.shape[1:]),
+        groups=getattr(module, "groups", 1),
+    )
+    _ops.register(state)
+    state.hooks = [module.register_forward_pre_hook(_pre_forward),
+                   module.register_forward_hook(_post_forward, always_call=True)]
+    module._distnorm_bnp = state
+    module.__class__ = _preconditioned_class(type(module))
 
 
 class _FirstForwardCheck:

@@ -14,7 +14,6 @@ rank; ``sync=False`` forces local statistics.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
 
 import torch
 
@@ -22,7 +21,7 @@ from distnorm import _collectives, _ops
 from distnorm._collectives import ProcessGroup
 from distnorm._autograd import NormalizeFunction
 from distnorm._bnp_functions import bnp_precondition
-from distnorm._functions import NormState, channel_affine
+from distnorm._functions import CBNBuffers, NormState, channel_affine
 from distnorm._ops import no_grad_input
 from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
@@ -112,26 +111,6 @@ def sync_batch_norm(
     return normalize(x, weight, bias, state, stats)
 
 
-class CBNBuffers(NamedTuple):
-    """The statistics a CBN / POP-Norm layer keeps (its buffers), updated in place by a
-    training call. ``CBNBuffers.fresh(c)`` gives new ones for ``c`` channels."""
-
-    amat_mean: torch.Tensor
-    amat_var: torch.Tensor
-    amat_initialized: torch.Tensor
-    running_mean: torch.Tensor
-    running_var: torch.Tensor
-    num_batches_tracked: torch.Tensor
-
-    @classmethod
-    def fresh(cls, channels: int, *, dtype: torch.dtype = torch.float32, device: Any = None) -> "CBNBuffers":
-        def vec(value: float) -> torch.Tensor:
-            return torch.full((channels,), value, dtype=dtype, device=device)
-
-        return cls(vec(0.0), vec(1.0), torch.zeros((), dtype=torch.bool, device=device), vec(0.0), vec(1.0),
-                   torch.zeros((), dtype=torch.long, device=device))
-
-
 def cbn(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -182,8 +161,7 @@ def cbn(
     history = True if eta_given else float(eta) > 0
     state = NormState("cbn", layer, spec.eps, spec.momentum, rho=float(spec.rho), r_max=float(spec.r_max),
                       process_group=process_group, sync=spec.sync, history=history)
-    stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
-        xd, no_grad_input(weight), no_grad_input(bias), *b, eta_t, state)
+    stats = lambda xd: _ops.cbn_statistics(xd, no_grad_input(weight), no_grad_input(bias), b, eta_t, state)  # noqa: E731
     return normalize(x, weight, bias, state, stats)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from distnorm import _ops
 from distnorm import functional  # not torch.nn.functional: distnorm's own
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import NormState
+from distnorm._functions import CBNBuffers, NormState
 from distnorm.specs import EPS, MOMENTUM, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec, register_builder
 
 __all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "name_layers"]
@@ -210,9 +210,10 @@ class _CompleteNorm(_DistNormLayer):
                 "current learning rate before each training step.",
                 stacklevel=2,
             )
+        buffers = CBNBuffers(self.amat_mean, self.amat_var, self.amat_initialized, self.running_mean,
+                             self.running_var, self.num_batches_tracked)
         stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
-            xd, _ops.no_grad_input(self.weight), _ops.no_grad_input(self.bias), self.amat_mean, self.amat_var, self.amat_initialized,
-            self.running_mean, self.running_var, self.num_batches_tracked, self.amat_eta, self._state)
+            xd, _ops.no_grad_input(self.weight), _ops.no_grad_input(self.bias), buffers, self.amat_eta, self._state)
         return functional.normalize(x, self.weight, self.bias, self._state, stats)
 
 
