@@ -10,7 +10,7 @@ import math
 import os
 import time
 from datetime import timedelta
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,7 +30,8 @@ from distnorm.train.config import ConfigError, TrainConfig
 from distnorm.train.engines import local_world, make_engine, require_engine
 from distnorm.train.metrics import MetricsWriter
 
-__all__ = ["train", "train_one_epoch", "evaluate_model", "build_model", "build_loaders", "check_setup", "SyntheticLoader"]
+__all__ = ["train", "train_one_epoch", "Position", "Reporting", "build_model", "build_loaders", "check_setup",
+           "SyntheticLoader"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,86 +250,123 @@ def _dry_run_config(cfg: TrainConfig) -> TrainConfig:
 
 
 @dataclass
-class _Run:
-    """What one training run holds while it goes through its epochs."""
+class Position:
+    """Where a run is: written into every checkpoint and restored on resume."""
 
-    cfg: TrainConfig
-    engine: Any
-    train_loader: Any
-    eval_loader: Any
+    epoch: int = 0
+    step_in_epoch: int = 0  # batches of ``epoch`` already trained (a mid-epoch checkpoint)
+    global_step: int = 0
+
+    def snapshot(self, world: int) -> dict[str, int]:
+        """What a checkpoint records (with the world size the data position belongs to)."""
+        return {**dataclasses.asdict(self), "world_size": world}
+
+
+@dataclass
+class Reporting:
+    """Where a run's records go: metrics, the console's progress bar, theory monitors, and
+    checkpoints (``save(position)``)."""
+
     writer: MetricsWriter
     progress: _Progress
-    monitor: Any
-    save: Callable[[int, int, int], None]
-    world: int
-    per_rank: int
-    max_steps: int
-    global_step: int
-    lr: float
-    loss_fn: nn.Module = field(default_factory=nn.CrossEntropyLoss)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self.train_loader)
+    monitor: TheoryMonitor | None
+    save: Callable[[Position], None]
 
 
-def train_one_epoch(run: _Run, epoch: int, skip: int) -> int:
-    """Train ``epoch`` from batch ``skip`` (a mid-epoch resume) until its end or
-    ``max_steps``; returns the number of batches of the epoch done."""
-    cfg, engine = run.cfg, run.engine
-    run.train_loader.set_epoch(epoch, skip_batches=skip)
+def train_one_epoch(cfg: TrainConfig, engine: Any, loader: Any, position: Position, report: Reporting, *,
+                    world: int, max_steps: int, loss_fn: nn.Module) -> float:
+    """Train ``position.epoch`` from batch ``position.step_in_epoch`` (a mid-epoch resume)
+    until its end or ``max_steps``, advancing ``position``; returns the last learning rate."""
+    epoch, per_rank = position.epoch, cfg.per_rank_batch(world)
+    loader.set_epoch(epoch, skip_batches=position.step_in_epoch)
     engine.model.train()
-    step_in_epoch, seen, loss_sum, window = skip, 0, 0.0, time.time()
-    for images, labels in run.train_loader:
-        step_in_epoch += 1
-        step = run.global_step + 1
+    lr, seen, loss_sum, window = engine.lr(), 0, 0.0, time.time()
+    for images, labels in loader:
+        step = position.global_step + 1
+        position.step_in_epoch += 1
         images = engine.cast_inputs(images.to(engine.device, non_blocking=True))
         labels = labels.to(engine.device, non_blocking=True)
         with _phase("forward", epoch, step):
-            loss = run.loss_fn(engine.model(images).float(), labels)
+            loss = loss_fn(engine.model(images).float(), labels)
             loss_value = loss.item()  # the step's one host sync (logging and the NaN check)
-            finite = _all_finite(loss_value, run.world, loss.device)
+            finite = _all_finite(loss_value, world, loss.device)
         if not finite:
             if cfg.train.on_nonfinite == "stop":
                 raise FloatingPointError(
                     f"non-finite loss at epoch {epoch}, step {step} (on at least one rank); "
                     "set train.debug=true to name the first layer with non-finite statistics, or "
                     "train.on_nonfinite=skip to skip such steps")
-            run.writer.log("skipped_step", step=step, epoch=epoch, reason="non-finite loss")
+            report.writer.log("skipped_step", step=step, epoch=epoch, reason="non-finite loss")
             continue
         with _phase("backward", epoch, step):
             engine.backward(loss)
-        if run.monitor is not None:
-            run.monitor.after_backward(step)
-        run.lr = engine.lr()
+        if report.monitor is not None:
+            report.monitor.after_backward(step)
+        lr = engine.lr()
         with _phase("optimizer step", epoch, step):
             engine.step()
-        run.global_step = step
-        if run.monitor is not None:
-            for record in run.monitor.records(step):
-                run.writer.log("monitor", epoch=epoch, **record)
+        position.global_step = step
+        if report.monitor is not None:
+            for record in report.monitor.records(step):
+                report.writer.log("monitor", epoch=epoch, **record)
         loss_sum += loss_value
         seen += 1
-        if step % cfg.output.log_every == 0 or step == run.max_steps:
-            ips = seen * run.per_rank * run.world / max(time.time() - window, 1e-9)
-            run.writer.log("train", step=step, epoch=epoch, loss=loss_sum / seen, lr=run.lr, images_per_sec=ips)
-            run.progress.update(loss=f"{loss_sum / seen:.4f}", lr=f"{run.lr:.4g}", img_s=f"{ips:.0f}")
+        if step % cfg.output.log_every == 0 or step == max_steps:
+            ips = seen * per_rank * world / max(time.time() - window, 1e-9)
+            report.writer.log("train", step=step, epoch=epoch, loss=loss_sum / seen, lr=lr, images_per_sec=ips)
+            report.progress.update(loss=f"{loss_sum / seen:.4f}", lr=f"{lr:.4g}", img_s=f"{ips:.0f}")
             seen, loss_sum, window = 0, 0.0, time.time()
         else:
-            run.progress.update()
+            report.progress.update()
         every = cfg.output.checkpoint_every_steps
-        if every and step % every == 0 and step_in_epoch < run.steps_per_epoch:
-            run.save(epoch, step_in_epoch, step)
-        if step >= run.max_steps:
+        if every and step % every == 0 and position.step_in_epoch < len(loader):
+            report.save(position)
+        if step >= max_steps:
             break
-    return step_in_epoch
+    return lr
 
 
-def evaluate_model(run: _Run) -> dict[str, Any]:
-    """Top-1 / top-5 / loss over the validation set, each sample counted once."""
-    engine = run.engine
-    return evaluate(engine.eval_model(), run.eval_loader, device=engine.device, process_group=None,
-                    cast=engine.cast_inputs)
+def _synthetic_loaders(cfg: TrainConfig, batch: int) -> tuple[Any, Any]:
+    """Two synthetic training batches and one evaluation batch (the dry run)."""
+    size, classes = cfg.data.image_size, cfg.model.num_classes
+    return (SyntheticLoader(batch, size, classes, batches=2),
+            SyntheticLoader(batch, size, classes, batches=1, for_eval=True))
+
+
+def _resume(checkpoints: CheckpointManager, engine: Any, writer: MetricsWriter, world: int) -> Position:
+    """The position of the newest checkpoint every rank can verify (loaded into the engine),
+    or the start."""
+    found = checkpoints.find_resumable()
+    _agree_on_resume(found, world)
+    if found is None:
+        return Position()
+    directory, _ = found
+    state = engine.load(directory)
+    position = Position(state["epoch"], state["step_in_epoch"], state["global_step"])
+    if engine.is_main:
+        logger.info("resumed from %s at epoch %d, step %d", directory, position.epoch, position.global_step)
+        print(f"resumed from {directory} (epoch {position.epoch}, global step {position.global_step})", flush=True)
+    writer.log("resume", checkpoint=str(directory), **state)
+    return position
+
+
+def _end_of_epoch(cfg: TrainConfig, engine: Any, eval_loader: Any, position: Position, report: Reporting,
+                  lr: float, started: float, last_eval: dict[str, Any]) -> dict[str, Any]:
+    """After epoch ``position.epoch``: evaluate when due, print and log the summary,
+    checkpoint at the start of the next epoch; returns the latest evaluation."""
+    epoch = position.epoch + 1  # epochs done
+    if eval_loader is not None and (epoch % cfg.train.eval_every_epochs == 0 or epoch == cfg.train.epochs):
+        last_eval = evaluate(engine.eval_model(), eval_loader, device=engine.device, process_group=None,
+                             cast=engine.cast_inputs)
+        report.writer.log("eval", step=position.global_step, epoch=epoch, **last_eval)
+    if engine.is_main:
+        summary = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in last_eval.items())
+        print(f"epoch {epoch}/{cfg.train.epochs}: lr {lr:.4g}, {summary or 'no evaluation'}", flush=True)
+    report.writer.log("epoch", step=position.global_step, epoch=epoch, lr=lr, seconds=time.time() - started,
+                      **{f"val_{k}": v for k, v in last_eval.items()})
+    position.epoch, position.step_in_epoch = epoch, 0
+    report.save(position)
+    return last_eval
 
 
 def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None = None) -> dict[str, Any]:
@@ -346,70 +384,41 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
         distnorm.debug(True)
     init_distributed(cfg)
     model = build_model(cfg, world)
-    if dry_run:
-        batch = dry_run_batch or per_rank
-        train_loader = SyntheticLoader(batch, cfg.data.image_size, cfg.model.num_classes, batches=2)
-        eval_loader = SyntheticLoader(batch, cfg.data.image_size, cfg.model.num_classes, batches=1, for_eval=True)
-    else:
-        train_loader, eval_loader = build_loaders(cfg, rank, world, per_rank)
-
+    train_loader, eval_loader = (_synthetic_loaders(cfg, dry_run_batch or per_rank) if dry_run
+                                 else build_loaders(cfg, rank, world, per_rank))
     engine = make_engine(cfg, model, len(train_loader))
-    run_dir = Path(cfg.output.dir)
-    main, outputs = engine.is_main, not dry_run
+
+    run_dir, main, outputs = Path(cfg.output.dir), engine.is_main, not dry_run
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save(run_dir / "config.yaml")
     writer = MetricsWriter(run_dir, enabled=main and outputs, tensorboard=cfg.output.tensorboard)
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.output.keep_last, main, engine.barrier,
                                     gather=_gather_texts if world > 1 else None)
+    position = _resume(checkpoints, engine, writer, world) if outputs else Position()
 
-    state = {"epoch": 0, "step_in_epoch": 0, "global_step": 0}
-    if outputs:
-        found = checkpoints.find_resumable()
-        _agree_on_resume(found, world)
-        if found is not None:
-            directory, _ = found
-            state = engine.load(directory)
-            if main:
-                logger.info("resumed from %s at epoch %d, step %d", directory, state["epoch"], state["global_step"])
-                print(f"resumed from {directory} (epoch {state['epoch']}, global step {state['global_step']})", flush=True)
-            writer.log("resume", checkpoint=str(directory), **state)
-
-    def save(epoch: int, step_in_epoch: int, global_step: int) -> None:
-        snapshot = {"epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step, "world_size": world}
-        path = checkpoints.save(global_step, snapshot, engine.save)
-        writer.log("checkpoint", step=global_step, epoch=epoch, path=str(path))
+    def save(at: Position) -> None:
+        path = checkpoints.save(at.global_step, at.snapshot(world), engine.save)
+        writer.log("checkpoint", step=at.global_step, epoch=at.epoch, path=str(path))
 
     total_steps = cfg.train.epochs * len(train_loader)
     max_steps = min(total_steps, cfg.train.max_steps or total_steps)
-    monitor = None
-    if cfg.output.monitors and main and outputs:
-        monitor = TheoryMonitor(engine.plugin.model, every=cfg.output.monitor_every)
-    run = _Run(cfg=cfg, engine=engine, train_loader=train_loader, eval_loader=eval_loader, writer=writer,
-               progress=_Progress(main and cfg.output.progress, max_steps, state["global_step"], cfg.model.name),
-               monitor=monitor, save=save if outputs else (lambda *_: None), world=world, per_rank=per_rank,
-               max_steps=max_steps, global_step=state["global_step"], lr=engine.lr())
+    monitor = (TheoryMonitor(engine.plugin.model, every=cfg.output.monitor_every)
+               if cfg.output.monitors and main and outputs else None)
+    report = Reporting(writer, _Progress(main and cfg.output.progress, max_steps, position.global_step, cfg.model.name),
+                       monitor, save if outputs else (lambda _: None))
     last_eval: dict[str, Any] = {}
-    started = time.time()
+    lr, started = engine.lr(), time.time()
     try:
-        for epoch in range(state["epoch"], cfg.train.epochs):
-            if run.global_step >= max_steps:
-                break
-            done = train_one_epoch(run, epoch, skip=state["step_in_epoch"] if epoch == state["epoch"] else 0)
-            if done < run.steps_per_epoch:
+        while position.epoch < cfg.train.epochs and position.global_step < max_steps:
+            lr = train_one_epoch(cfg, engine, train_loader, position, report, world=world, max_steps=max_steps,
+                                 loss_fn=nn.CrossEntropyLoss())
+            if position.step_in_epoch < len(train_loader):
                 break  # max_steps reached mid-epoch
-            if eval_loader is not None and ((epoch + 1) % cfg.train.eval_every_epochs == 0 or epoch + 1 == cfg.train.epochs):
-                last_eval = evaluate_model(run)
-                writer.log("eval", step=run.global_step, epoch=epoch + 1, **last_eval)
-            if main:
-                summary = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in last_eval.items())
-                print(f"epoch {epoch + 1}/{cfg.train.epochs}: lr {run.lr:.4g}, {summary or 'no evaluation'}", flush=True)
-            writer.log("epoch", step=run.global_step, epoch=epoch + 1, lr=run.lr, seconds=time.time() - started,
-                       **{f"val_{k}": v for k, v in last_eval.items()})
-            run.save(epoch + 1, 0, run.global_step)
+            last_eval = _end_of_epoch(cfg, engine, eval_loader, position, report, lr, started, last_eval)
     finally:
-        run.progress.close()
+        report.progress.close()
         writer.close()
-    return {"eval": last_eval, "global_step": run.global_step, "run_dir": str(run_dir),
+    return {"eval": last_eval, "global_step": position.global_step, "run_dir": str(run_dir),
             "checkpoint": str(checkpoints.root / "latest") if outputs else None,
             "world_size": world, "per_rank_batch": per_rank}
