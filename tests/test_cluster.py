@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from tests.cluster import Cluster, available, wait_all
 from tests.helpers import digits_overrides, merged_overrides
+from tests.system import need
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
@@ -213,12 +213,11 @@ def test_killed_host_then_restart_resumes_exactly(cluster, digits, tmp_path):
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
-@pytest.mark.skipif(not all(Path(p).exists() for p in ("/usr/sbin/sshd", "/usr/bin/pdsh")),
-                    reason="needs openssh-server and pdsh (apt-get install openssh-server pdsh)")
 def test_deepspeed_runner_with_a_hostfile_over_ssh(cluster, digits, tmp_path):
     """launch/deepspeed.sh with HOSTFILE on the head: the DeepSpeed runner reaches both hosts
     over ssh (pdsh; sshd on every host, a key made for this test) and trains as the same
     runner does with 2 processes on one host."""
+    need("sshd", "ssh", "pdsh")
     overrides = lambda run: [*_overrides(digits, run, 4), "train.engine=deepspeed",  # noqa: E731
                              "train.deepspeed_config=configs/deepspeed/zero2_fp32.json", "train.cpu=true"]
     reference = tmp_path / "one"
@@ -254,8 +253,7 @@ def test_deepspeed_runner_with_a_hostfile_over_ssh(cluster, digits, tmp_path):
 # Last in this file: the killed-host tests above kill every process of host 1, slurmd too.
 @pytest.fixture(scope="module")
 def slurm(cluster, tmp_path_factory):
-    if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "munged")):
-        pytest.skip("needs Slurm and munge (apt-get install slurm-wlm munge)")
+    need("sbatch", "slurmctld", "slurmd", "munged")
     return cluster.start_slurm(tmp_path_factory.mktemp("slurm"))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import digits_overrides, free_port
+from tests.system import need
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
@@ -217,22 +217,18 @@ def test_accelerate_multi_node_yaml_two_machines_on_loopback(digits, tmp_path, a
 
 
 # ----------------------------------------------------------------------------- Slurm
-needs_slurm = pytest.mark.skipif(shutil.which("sbatch") is None or os.geteuid() != 0,
-                                 reason="needs Slurm (apt-get install slurm-wlm) and root to start a local cluster")
-
-
 def _sacct_state(job: str) -> str:
     out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
     return next((w.split("=")[1] for w in out.split() if w.startswith("JobState=")), "GONE")
 
 
-@needs_slurm
 @pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
 def test_slurm_sbatch_runs_and_requeues(digits, tmp_path):
     """launch/slurm.sbatch under a real slurmctld + slurmd: the job runs 2 processes through
     srun + torchrun.sh; SIGUSR1 (what --signal sends before the time limit) makes it requeue
     itself, and the requeued run resumes from its last checkpoint and finishes."""
+    need("sbatch", "slurmctld", "slurmd", "munged")
     subprocess.run([str(REPO / "launch" / "slurm" / "local_cluster.sh"), "start"], check=True, timeout=300,
                    capture_output=True)
     run = tmp_path / "slurm"
