@@ -54,6 +54,7 @@ from distnorm.errors import (
 )
 from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
 from distnorm.plugin import DistNormPlugin, ddp_kwargs
+from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __version__ = "0.1.0"
 
@@ -69,6 +70,11 @@ __all__ = [
     "conversion_summary",
     "PreNorm",
     "DistNormConfig",
+    "CBNSpec",
+    "POPNormSpec",
+    "SyncBNSpec",
+    "GNSpec",
+    "BNPSpec",
     "DistNormPlugin",
     "add_arguments",
     "ddp_kwargs",
