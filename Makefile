@@ -24,7 +24,7 @@ test: docs
 
 # The documentation site (MkDocs + Material, API reference from the docstrings) into site/.
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
 
 # Mutation check, not part of `make test` (tests/mutants.py): deliberate one-line bugs, each
 # against a README claim, applied one at a time to a temporary copy of the tree; each must make
