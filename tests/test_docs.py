@@ -205,7 +205,6 @@ def wrapper(argv: list[str], env: dict[str, str], layout: Path, tmp_path: Path) 
     log = tmp_path / "launches.log"
     env = {"PYTHON": str(layout / "bin" / "python"), "LAUNCH_LOG": str(log),
            "PATH": f"{layout / 'bin'}:{os.environ['PATH']}", **env}
-    env.pop("SLURM_JOB_ID", None)
     run(["bash", *argv], cwd=layout, env=env)
     launches = log.read_text().splitlines() if log.exists() else []
     assert launches, f"{shlex.join(argv)} started no launcher"
@@ -243,6 +242,8 @@ def check_shards(args: list[str], tmp_path: Path) -> None:
     maxcount = int(options.get("--maxcount", 1000))
     split = options.get("--split", "train")
     argv, real_size = list(args), None
+    if "--workers" in argv:  # the writer's processes change no name; 16 of them on 12 images only cost time
+        argv[argv.index("--workers") + 1] = "2"
     if src.startswith("/"):  # an ImageFolder tree
         argv[argv.index(src)] = str(make_image_folder(tmp_path / "folder"))
         real_size = KNOWN_SIZES.get("/".join(Path(src).parts[-2:]))
