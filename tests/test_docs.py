@@ -31,6 +31,10 @@ shard commands on a small ImageFolder, then `distnorm-train --check` on what the
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import io
 import math
 import os
 import re
@@ -140,7 +144,12 @@ def layout(tmp_path_factory) -> Path:
     bin_dir.mkdir()
     stubs = {
         # the interpreter the wrappers run: everything for real except the final torchrun
-        "python": f'for a in "$@"; do [[ "$a" == torch.distributed.run ]] && {{ echo "torchrun $*" >> "$LAUNCH_LOG"; exit 0; }}; done\nexec {shlex.quote(PY)} "$@"',
+        # the interpreter the wrappers run: their `--check` and the final torchrun are recorded
+        # (the test runs the check in its own process), anything else runs
+        "python": ('for a in "$@"; do\n'
+                   '  [[ "$a" == torch.distributed.run ]] && { echo "torchrun $*" >> "$LAUNCH_LOG"; exit 0; }\n'
+                   '  [[ "$a" == --check ]] && { printf "%q " "$@" >> "$CHECK_LOG"; echo >> "$CHECK_LOG"; exit 0; }\n'
+                   f'done\nexec {shlex.quote(PY)} "$@"'),
         "deepspeed": 'echo "deepspeed $*" >> "$LAUNCH_LOG"',
         "scontrol": '[[ "$1 $2" == "show hostnames" ]] && for i in $(seq 1 "$SLURM_NNODES"); do printf "node%03d\\n" "$i"; done',
         "srun": 'while [[ "$1" == -* ]]; do shift; done\nexec "$@"',
@@ -179,9 +188,30 @@ def check_repo_paths(tokens: list[str]) -> None:
                 assert (ROOT / part).exists(), f"{part} does not exist in the repository"
 
 
-def check_help_flags(argv: list[str], used: list[str], cwd: Path = ROOT) -> None:
+@contextlib.contextmanager
+def inside(path: Path):
+    previous = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+@functools.cache
+def help_text(argv: tuple[str, ...]) -> str:
+    """`argv --help`: in this process for distnorm's own modules, else in a subprocess."""
+    if argv[:2] == (PY, "-m") and argv[2].startswith("distnorm."):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+            importlib.import_module(argv[2]).main(["--help"])
+        return out.getvalue()
+    return run([*argv, "--help"], cwd=ROOT)
+
+
+def check_help_flags(argv: list[str], used: list[str]) -> None:
     """Every --flag in `used` is one the program's --help lists."""
-    text = run([*argv, "--help"], cwd=cwd)
+    text = help_text(tuple(argv))
     for flag in (t.split("=")[0] for t in used if t.startswith("--")):
         assert re.search(rf"(^|[\s\[,]){re.escape(flag)}\b", text), f"{shlex.join(argv)} has no option {flag}"
 
@@ -197,15 +227,23 @@ def train_check(args: list[str], layout: Path, world: int = 1) -> None:
         args.append("--check")
     if "--world-size" not in args:
         args += ["--world-size", str(world)]
-    run([PY, "-m", "distnorm.train", *args], cwd=layout)
+    from distnorm.train import cli
+
+    with inside(layout):
+        assert cli.main(args) == 0, f"distnorm-train {shlex.join(args)} failed its check"
 
 
 def wrapper(argv: list[str], env: dict[str, str], layout: Path, tmp_path: Path) -> list[str]:
-    """Run a launch/ wrapper with the stubs; returns the launches it recorded."""
-    log = tmp_path / "launches.log"
-    env = {"PYTHON": str(layout / "bin" / "python"), "LAUNCH_LOG": str(log),
+    """Run a launch/ wrapper with the stubs, then the `distnorm-train --check` it ran (here,
+    in this process); returns the launches it recorded."""
+    log, checks = tmp_path / "launches.log", tmp_path / "checks.log"
+    env = {"PYTHON": str(layout / "bin" / "python"), "LAUNCH_LOG": str(log), "CHECK_LOG": str(checks),
            "PATH": f"{layout / 'bin'}:{os.environ['PATH']}", **env}
     run(["bash", *argv], cwd=layout, env=env)
+    recorded = [shlex.split(line) for line in checks.read_text().splitlines()] if checks.exists() else []
+    assert len(recorded) == 1, f"{shlex.join(argv)} ran {len(recorded)} checks before launching"
+    assert recorded[0][:2] == ["-m", "distnorm.train"], recorded
+    train_check(recorded[0][2:], layout)
     launches = log.read_text().splitlines() if log.exists() else []
     assert launches, f"{shlex.join(argv)} started no launcher"
     return launches
@@ -225,6 +263,17 @@ def make_image_folder(root: Path, classes: int = 3, per_class: int = 4) -> Path:
     return root
 
 
+def write_shards_here(argv: list[str], cwd: Path) -> None:
+    """distnorm-shards ARGV in this process (one writer: no worker processes)."""
+    from distnorm.data import shards
+
+    argv = list(argv)
+    if "--workers" in argv:
+        argv[argv.index("--workers") + 1] = "1"
+    with inside(cwd), contextlib.redirect_stdout(io.StringIO()):
+        assert shards.main([*argv, "--quiet"]) == 0, f"distnorm-shards {shlex.join(argv)} failed"
+
+
 def check_shards(args: list[str], tmp_path: Path) -> None:
     """distnorm-shards SRC PREFIX ...: run on a small source of the same kind; where a config
     reads PREFIX, the shards at the real dataset size must be exactly the config's."""
@@ -242,8 +291,8 @@ def check_shards(args: list[str], tmp_path: Path) -> None:
     maxcount = int(options.get("--maxcount", 1000))
     split = options.get("--split", "train")
     argv, real_size = list(args), None
-    if "--workers" in argv:  # the writer's processes change no name; 16 of them on 12 images only cost time
-        argv[argv.index("--workers") + 1] = "2"
+    if "--workers" in argv:  # the writer's processes change no name; here it writes in this process
+        argv[argv.index("--workers") + 1] = "1"
     if src.startswith("/"):  # an ImageFolder tree
         argv[argv.index(src)] = str(make_image_folder(tmp_path / "folder"))
         real_size = KNOWN_SIZES.get("/".join(Path(src).parts[-2:]))
@@ -258,10 +307,10 @@ def check_shards(args: list[str], tmp_path: Path) -> None:
         i = argv.index("--num-samples")
         argv[i + 1] = "12"
     if argv is not None:
-        out = run([PY, "-m", "distnorm.data.shards", *argv, "--quiet"], cwd=tmp_path)
+        write_shards_here(argv, tmp_path)
         written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob(f"{prefix}-*.tar"))
         index = ShardIndex.load(tmp_path / f"{prefix}-index.json")
-        assert written == expected_shards(prefix, index.total, maxcount), out
+        assert written == expected_shards(prefix, index.total, maxcount), written
         if real_size is None and src in ("digits", "synthetic"):
             real_size = index.total if src == "digits" else None
     readers = {p: loc for p, loc in data_locations().items() if p.startswith(f"{prefix}-")}
@@ -357,8 +406,7 @@ def test_imagenet_guide_writes_what_the_configs_read(tmp_path):
     work.mkdir()
     (work / "configs").symlink_to(ROOT / "configs")
     for tokens in shard_commands:
-        argv = [a.replace("/data/imagenet", str(source)) for a in tokens[1:]]
-        run([PY, "-m", "distnorm.data.shards", *argv, "--quiet"], cwd=work)
+        write_shards_here([a.replace("/data/imagenet", str(source)) for a in tokens[1:]], work)
     base = yaml.safe_load((ROOT / "configs" / "base" / "imagenet.yaml").read_text())["data"]
     written = {}
     for split in ("train", "val"):
@@ -368,5 +416,5 @@ def test_imagenet_guide_writes_what_the_configs_read(tmp_path):
         written[split] = files
     # the configs then find them: the same check the launchers run, over the shards written
     brace = {s: f"data/imagenet/{s}-{{000000..{len(f) - 1:06d}}}.tar" for s, f in written.items()}
-    run([PY, "-m", "distnorm.train", "--config", "configs/imagenet/resnet50_cbn.yaml", "--check", "--world-size", "8",
-         f"data.train_shards={brace['train']}", f"data.val_shards={brace['val']}", "model.num_classes=3"], cwd=work)
+    train_check(["--config", "configs/imagenet/resnet50_cbn.yaml", "--world-size", "8", f"data.train_shards={brace['train']}",
+                 f"data.val_shards={brace['val']}", "model.num_classes=3"], work)
