@@ -151,7 +151,8 @@ def layout(tmp_path_factory) -> Path:
                    '  [[ "$a" == --check ]] && { printf "%q " "$@" >> "$CHECK_LOG"; echo >> "$CHECK_LOG"; exit 0; }\n'
                    f'done\nexec {shlex.quote(PY)} "$@"'),
         "deepspeed": 'echo "deepspeed $*" >> "$LAUNCH_LOG"',
-        "scontrol": '[[ "$1 $2" == "show hostnames" ]] && for i in $(seq 1 "$SLURM_NNODES"); do printf "node%03d\\n" "$i"; done',
+        # one write: `scontrol ... | head -n 1` under pipefail must not see a SIGPIPE exit
+        "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "node%03d\\n" $(seq 1 "$SLURM_NNODES")',
         "srun": 'while [[ "$1" == -* ]]; do shift; done\nexec "$@"',
     }
     for name, body in stubs.items():
@@ -288,6 +289,10 @@ def check_shards(args: list[str], tmp_path: Path) -> None:
                 positional.append(args[i])
             i += 1
     src, prefix = positional
+    readers = {p: loc for p, loc in data_locations().items() if p.startswith(f"{prefix}-")}
+    assert readers or src == "synthetic", (
+        f"no config reads {prefix}-*.tar: write the shards where the configs read them (data/...) "
+        "or show the data.*_shards / data.*_index overrides with the command")
     maxcount = int(options.get("--maxcount", 1000))
     split = options.get("--split", "train")
     argv, real_size = list(args), None
@@ -313,13 +318,11 @@ def check_shards(args: list[str], tmp_path: Path) -> None:
         assert written == expected_shards(prefix, index.total, maxcount), written
         if real_size is None and src in ("digits", "synthetic"):
             real_size = index.total if src == "digits" else None
-    readers = {p: loc for p, loc in data_locations().items() if p.startswith(f"{prefix}-")}
     for pattern, (index_path, _) in readers.items():
         assert real_size is not None, f"no known size for {src}"
         assert expand_urls(pattern) == expected_shards(prefix, real_size, maxcount), (
             f"the config reads {pattern}, the command writes {prefix}-000000.tar ... at the real size")
         assert index_path == f"{prefix}-index.json"
-    assert readers or not prefix.startswith("data/") or src == "synthetic", f"no config reads {prefix}-*.tar"
 
 
 @pytest.mark.parametrize("where, tokens", ALL, ids=[where for where, _ in ALL])
