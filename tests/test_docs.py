@@ -421,3 +421,51 @@ def test_imagenet_guide_writes_what_the_configs_read(tmp_path):
     brace = {s: f"data/imagenet/{s}-{{000000..{len(f) - 1:06d}}}.tar" for s, f in written.items()}
     train_check(["--config", "configs/imagenet/resnet50_cbn.yaml", "--world-size", "8", f"data.train_shards={brace['train']}",
                  f"data.val_shards={brace['val']}", "model.num_classes=3"], work)
+
+
+# --- the diffs against the example scripts ---------------------------------------------------
+
+def diff_blocks() -> list[tuple[str, str, list[str]]]:
+    """(where, diff text, example scripts named in the paragraph before it) of every ```diff block."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        previous_end = 0
+        for match in re.finditer(r"```diff\n(.*?)```", text, re.S):
+            before = text[previous_end:match.start()].split("```")[-1]
+            line = text[:match.start()].count("\n") + 2
+            found.append((f"{page.relative_to(ROOT)}:{line}", match[1], re.findall(r"examples/\w+\.py", before)))
+            previous_end = match.end()
+    return found
+
+
+DIFFS = [d for d in diff_blocks() if d[2]]
+
+
+def test_every_diff_names_its_script_or_is_timms():
+    unnamed = [where for where, text, scripts in diff_blocks() if not scripts and "timm" not in where]
+    assert not unnamed, f"diff blocks without the example script they change: {unnamed}"
+
+
+@pytest.mark.parametrize("where, diff, scripts", DIFFS, ids=[d[0] for d in DIFFS])
+def test_diff_matches_its_example_script(where, diff, scripts):
+    """The kept and added lines of a diff are the example script's lines, in its order (comments
+    and spacing aside), so the plugin lines shown cannot drift from the script that runs."""
+    def code(line: str) -> str:
+        return re.sub(r"\s+", "", line.split("  #")[0])
+
+    lines = [code(line[1:]) for line in diff.splitlines() if line[:1] in "+ " and line[1:].strip() not in ("", "...")]
+    failures = {}
+    for script in scripts:
+        source = code("\n".join(l.split("  #")[0] for l in (ROOT / script).read_text().splitlines()))
+        position, missing = 0, []
+        for line in lines:
+            found = source.find(line, position)
+            if found < 0:
+                missing.append(line)
+            else:
+                position = found + len(line)
+        if not missing:
+            return
+        failures[script] = missing
+    pytest.fail(f"{where}: lines not in the script (or out of its order): {failures}")
