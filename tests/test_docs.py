@@ -26,7 +26,8 @@ command is wrong:
 
 Every path under configs/, launch/, examples/ or bench/ named in a command must exist. A
 command no rule knows fails, naming this file. The ImageNet guide gets one more test: its
-shard commands on a small ImageFolder, then `distnorm-train --check` on what they wrote.
+shard commands on a small ImageFolder, then `distnorm-train --check` on what they wrote. And
+every ```diff block that shows the plugin lines of an example script must match that script.
 """
 
 from __future__ import annotations
