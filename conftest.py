@@ -45,8 +45,14 @@ def _setup(namespace: dict) -> None:
 
 
 def _teardown(namespace: dict) -> None:
+    import sys
+
     import torch.distributed as dist
 
+    if "accelerate" in sys.modules:  # a page that made an Accelerator leaves no singleton state behind
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     cwd, env = namespace["__saved__"]

@@ -43,11 +43,15 @@ import shlex
 import stat
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 from distnorm.data import ShardIndex, expand_urls
 from distnorm.data.index import ShardInfo
