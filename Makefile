@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-gpu test-cluster demo bench clean mutants
+.PHONY: install test docs test-gpu test-cluster demo bench clean mutants
 
 install: $(STAMP)
 
@@ -16,8 +16,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q -m "not cluster" --doctest-modules --ignore=distnorm/train/__main__.py tests distnorm $(PYTEST_ARGS)
+# The docs build first (strict: a broken link, page or docstring reference fails), then the
+# tests, the docstring examples and every code block of README.md and docs/ (Sybil, conftest.py;
+# the shell commands through tests/test_docs.py).
+test: docs
+	$(PY) -m pytest -q -m "not cluster" --doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
+
+# The documentation site (MkDocs + Material, API reference from the docstrings) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site
 
 # Mutation check, not part of `make test` (tests/mutants.py): deliberate one-line bugs, each
 # against a README claim, applied one at a time to a temporary copy of the tree; each must make
@@ -57,4 +64,4 @@ bench: $(STAMP)
 	$(PY) bench/layers.py --json bench/results/layers.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info

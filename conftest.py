@@ -1,0 +1,73 @@
+"""Runs the Python code blocks of README.md and docs/**/*.md as tests (Sybil).
+
+`make test` passes README.md and docs/ to pytest; every ```python block there runs, in page
+order, with one namespace per page (a later block may use what an earlier one defined), in a
+fresh temporary working directory, as a single process with a one-rank gloo group available
+(the environment torchrun would give rank 0 of 1: `torch.distributed.init_process_group("gloo")`
+works as written). A block that cannot run here is preceded by
+
+    <!-- skip: next "why it cannot run here" -->
+    <!-- skip: next if(not torch.cuda.is_available(), reason="needs CUDA") -->
+
+so it is reported as skipped with its reason (the second form runs where CUDA is present).
+The shell commands of the same pages are checked by tests/test_docs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from sybil import Sybil
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+
+ROOT = Path(__file__).resolve().parent
+_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _setup(namespace: dict) -> None:
+    import torch
+
+    namespace["torch"] = torch  # for `skip: next if(...)` conditions
+    namespace["__saved__"] = (os.getcwd(), {k: os.environ.get(k) for k in _ENV})
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.chdir(tempfile.mkdtemp(prefix="distnorm-docs-"))
+    torch.manual_seed(0)
+
+
+def _teardown(namespace: dict) -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    if "accelerate" in sys.modules:  # a page that made an Accelerator leaves no singleton state behind
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    cwd, env = namespace["__saved__"]
+    os.chdir(cwd)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+pytest_collect_file = Sybil(
+    parsers=[PythonCodeBlockParser(), SkipParser()],
+    patterns=["README.md", "docs/*.md", "docs/*/*.md"],
+    excludes=["tests/*", "launch/*", "bench/*", "examples/*", "configs/*", "distnorm/*"],
+    setup=_setup,
+    teardown=_teardown,
+).pytest()
