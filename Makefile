@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test docs test-gpu test-cluster demo bench clean mutants
+.PHONY: install system-deps test docs test-gpu test-cluster demo bench clean mutants
 
 install: $(STAMP)
 
@@ -16,10 +16,17 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
+# The Debian packages the tests use (Slurm + munge, openssh + pdsh, iproute2): installed when
+# missing and root, else named (.ci/system-deps.sh, the one list); what it found is written to
+# $(VENV)/.system-deps, which the tests read (tests/system.py): a test skips a tool only where
+# it could not be installed, and fails where it was reported installed but is missing.
+system-deps: $(STAMP)
+	.ci/system-deps.sh $(VENV)/.system-deps
+
 # The docs build first (strict: a broken link, page or docstring reference fails), then the
 # tests, the docstring examples and every code block of README.md and docs/ (Sybil, conftest.py;
 # the shell commands through tests/test_docs.py).
-test: docs
+test: docs system-deps
 	$(PY) -m pytest -q -m "not cluster" --doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
 
 # The documentation site (MkDocs + Material, API reference from the docstrings) into site/.
@@ -34,7 +41,7 @@ mutants: $(STAMP)
 
 # Multi-host runs on simulated hosts (network namespaces; needs root): every launch path
 # across two hosts, faults across hosts, and what the network costs (tc netem).
-test-cluster: $(STAMP)
+test-cluster: $(STAMP) system-deps
 	$(PY) -m pytest -q -s -m cluster tests/test_cluster.py $(PYTEST_ARGS)
 	$(PY) bench/network.py --json bench/results/network-cpu.json --plot docs/network.png
 

@@ -20,6 +20,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
@@ -71,3 +72,18 @@ pytest_collect_file = Sybil(
     setup=_setup,
     teardown=_teardown,
 ).pytest()
+
+
+@pytest.fixture(autouse=True)
+def _doctest_shards(request: pytest.FixtureRequest) -> None:
+    """Docstring examples that read shards get the demo digits' shards (written once per
+    session): ``digits_shards`` in their namespace."""
+    if isinstance(request.node, pytest.DoctestItem) and "digits_shards" in request.node.dtest.docstring:
+        request.getfixturevalue("doctest_namespace")["digits_shards"] = request.getfixturevalue("_digits_shards")
+
+
+@pytest.fixture(scope="session")
+def _digits_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tests.helpers import write_digits_shards
+
+    return str(write_digits_shards(tmp_path_factory.mktemp("doctest-digits")))

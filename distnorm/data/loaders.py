@@ -345,12 +345,19 @@ class TrainLoader(_LoaderBase):
         on_error: ``"raise"`` or ``"skip"``.
         return_keys: also yield the sample keys (for debugging and tests).
 
-    Example:
-        >>> loader = TrainLoader("/shards/train-{000000..001281}.tar", num_samples=1281167,
-        ...                      batch_size=32, rank=0, world_size=64)      # doctest: +SKIP
-        >>> for epoch in range(90):
-        ...     loader.set_epoch(epoch)
-        ...     for images, labels in loader: ...                            # doctest: +SKIP
+    Example (``digits_shards``: the folder ``make demo`` writes the demo digits' shards to;
+    for ImageNet, ``data/imagenet/train-{000000..001281}.tar`` and its index):
+        >>> import math
+        >>> from distnorm.data import ShardIndex
+        >>> index = ShardIndex.load(f"{digits_shards}/digits-train-index.json")
+        >>> loader = TrainLoader(f"{digits_shards}/digits-train-{{000000..000005}}.tar", num_samples=index.total,
+        ...                      batch_size=32, rank=1, world_size=2, num_workers=0, transform="digits", image_size=32)
+        >>> len(loader) == math.ceil(index.total / 64)  # batches per epoch, the same on every rank
+        True
+        >>> loader.set_epoch(0)                        # then once per epoch, before iterating
+        >>> images, labels = next(iter(loader))
+        >>> tuple(images.shape), labels.dtype
+        ((32, 3, 32, 32), torch.int64)
     """
 
     def __init__(
