@@ -123,6 +123,10 @@ class RunConfig(Section):
     on_nonfinite: str = param("stop", "a NaN/Inf loss on any rank: 'stop' (error) or 'skip' the step everywhere",
                               one_of("stop", "skip"))
     debug: bool = param(False, "distnorm debug mode: name the first layer with non-finite statistics", boolean)
+    resume_world_size: str = param(
+        "refuse", "a checkpoint written by another number of processes: 'refuse' it, or 'allow' it (Accelerate: "
+        "the weights and optimizer state carry over; training goes on at the start of the next epoch)",
+        one_of("refuse", "allow"))
 
     def _check_together(self) -> None:
         if self.engine == "deepspeed" and not self.deepspeed_config:

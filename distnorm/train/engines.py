@@ -7,6 +7,7 @@ it exactly as it would in a user's script.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -66,6 +67,9 @@ class Engine:
     def load(self, directory: Path) -> dict[str, Any]:
         raise NotImplementedError
 
+    #: Whether a checkpoint written by another number of processes loads (train.resume_world_size).
+    resumes_on_any_world_size = False
+
     def barrier(self) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
@@ -105,6 +109,9 @@ def deepspeed_input_dtype(model: Any) -> torch.dtype | None:
 
 class AccelerateEngine(Engine):
     name = "accelerate"
+    # Accelerate writes the (DDP-replicated) model and optimizer state once; only its
+    # per-process RNG files are per rank, and a missing one is skipped at load.
+    resumes_on_any_world_size = True
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, steps_per_epoch: int):
         from accelerate import Accelerator
@@ -152,6 +159,10 @@ class AccelerateEngine(Engine):
     def load(self, directory: Path) -> dict[str, Any]:
         self.accelerator.load_state(str(directory))
         return json.loads((directory / "trainer_state.json").read_text())
+
+    def state_digest(self) -> str:
+        """SHA-256 of the model's and the optimizer's state (what a checkpoint carries)."""
+        return state_digest(self.eval_model().state_dict(), self.optimizer.state_dict())
 
 
 class DeepSpeedEngine(Engine):
@@ -216,6 +227,30 @@ class DeepSpeedEngine(Engine):
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {directory}")
         return client_state["trainer"]
+
+
+def state_digest(*states: Any) -> str:
+    """SHA-256 over nested state dicts: every key, and every tensor's dtype, shape and bytes."""
+    digest = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().cpu().contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, dict):
+            for key in sorted(value, key=str):
+                digest.update(str(key).encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        else:
+            digest.update(repr(value).encode())
+
+    for state in states:
+        walk(state)
+    return digest.hexdigest()
 
 
 def make_engine(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int) -> Engine:

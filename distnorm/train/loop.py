@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +114,16 @@ def _gather_texts(text: str) -> list[str]:
     return _collectives.gather_texts(text, _collectives.sync_group(None))
 
 
-def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int) -> None:
+def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int, *, allow_other_world: bool = False,
+                     per_rank_engine: str | None = None) -> None:
     """Every rank resumes from the same checkpoint, written by as many ranks as this run has.
 
     Each rank verifies the checkpoints itself, so a node that sees a different (or damaged)
     copy would otherwise resume from a different step. A different world size changes which
     rank reads which shards and where each rank's data position is, so an exact resume is
-    impossible; it is refused rather than silently resumed inexactly.
+    impossible: it is refused unless ``train.resume_world_size=allow`` (then :func:`_resume`
+    goes on at the next epoch), and always for an engine whose checkpoints are per rank
+    (``per_rank_engine``: its name).
     """
     where = str(found[0]) if found is not None else "no checkpoint"
     assert_same_across_ranks(
@@ -127,11 +131,18 @@ def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int) -> N
         "shared file system, and the same files in it)", error=ConfigError)
     if found is not None:
         saved = found[1].get("world_size", world)  # checkpoints from before this field: not checked
-        if saved != world:
+        if saved != world and allow_other_world and per_rank_engine is not None:
+            raise ConfigError(
+                f"checkpoint {found[0]} was written by {saved} process(es) but this run has {world}, and "
+                f"train.engine={per_rank_engine} keeps optimizer state per process (ZeRO partitions): it cannot resume on "
+                f"another world size here. Restart with {saved} processes, or convert the checkpoint with "
+                "DeepSpeed's universal-checkpoint tools (ds_to_universal) and load it yourself.")
+        if saved != world and not allow_other_world:
             raise ConfigError(
                 f"checkpoint {found[0]} was written by {saved} process(es) but this run has {world}: its data "
                 f"position and per-rank state only resume exactly with {saved}. Restart with {saved} processes, "
-                "or start a new run in another output.dir (loading only the weights is a fine-tuning job, not a resume)."
+                "set train.resume_world_size=allow to go on from the next epoch, or start a new run in another "
+                "output.dir (loading only the weights is a fine-tuning job, not a resume)."
             )
 
 
@@ -333,21 +344,45 @@ def _synthetic_loaders(cfg: TrainConfig, batch: int) -> tuple[Any, Any]:
             SyntheticLoader(batch, size, classes, batches=1, for_eval=True))
 
 
-def _resume(checkpoints: CheckpointManager, engine: Any, writer: MetricsWriter, world: int) -> Position:
+def _resume(cfg: TrainConfig, checkpoints: CheckpointManager, engine: Any, writer: MetricsWriter,
+            world: int) -> Position:
     """The position of the newest checkpoint every rank can verify (loaded into the engine),
-    or the start."""
+    or the start. A checkpoint of another world size (``train.resume_world_size=allow``)
+    goes on at the start of the next epoch unless it was taken at an epoch's end."""
     found = checkpoints.find_resumable()
-    _agree_on_resume(found, world)
+    _agree_on_resume(found, world, allow_other_world=cfg.train.resume_world_size == "allow",
+                     per_rank_engine=None if engine.resumes_on_any_world_size else cfg.train.engine)
     if found is None:
         return Position()
     directory, _ = found
     state = engine.load(directory)
     position = Position(state["epoch"], state["step_in_epoch"], state["global_step"])
+    saved_world = state.get("world_size", world)
+    extra: dict[str, Any] = {}
+    if saved_world != world:
+        extra = {"world_size": world, "world_size_from": saved_world, "state_digest": engine.state_digest()}
+        note = _other_world_note(cfg, position, saved_world, world)
+        warnings.warn(note, stacklevel=2)
+        if position.step_in_epoch:
+            position = Position(position.epoch + 1, 0, position.global_step)
     if engine.is_main:
         logger.info("resumed from %s at epoch %d, step %d", directory, position.epoch, position.global_step)
         print(f"resumed from {directory} (epoch {position.epoch}, global step {position.global_step})", flush=True)
-    writer.log("resume", checkpoint=str(directory), **state)
+    writer.log("resume", checkpoint=str(directory), **{**state, **dataclasses.asdict(position), **extra})
     return position
+
+
+def _other_world_note(cfg: TrainConfig, position: Position, saved: int, world: int) -> str:
+    """What changes when a checkpoint of ``saved`` processes goes on with ``world``."""
+    batch = cfg.train.global_batch_size
+    where = (f"the rest of epoch {position.epoch} ({position.step_in_epoch} of its batches were done) is skipped: "
+             f"training goes on at the start of epoch {position.epoch + 1}" if position.step_in_epoch
+             else f"the checkpoint ends epoch {position.epoch - 1}: nothing is skipped")
+    return (f"resuming a checkpoint of {saved} process(es) with {world} (train.resume_world_size=allow): the weights "
+            f"and optimizer state carry over; the global batch stays {batch} ({batch // world} per process instead "
+            f"of {batch // saved}), so the learning rate is not rescaled; each process reads other shards, so the "
+            f"sample order differs from an uninterrupted run; {where}; global step {position.global_step} and the "
+            "schedule continue from the checkpoint.")
 
 
 def _end_of_epoch(cfg: TrainConfig, engine: Any, eval_loader: Any, position: Position, report: Reporting,
@@ -395,7 +430,7 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
     writer = MetricsWriter(run_dir, enabled=main and outputs, tensorboard=cfg.output.tensorboard)
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.output.keep_last, main, engine.barrier,
                                     gather=_gather_texts if world > 1 else None)
-    position = _resume(checkpoints, engine, writer, world) if outputs else Position()
+    position = _resume(cfg, checkpoints, engine, writer, world) if outputs else Position()
 
     def save(at: Position) -> None:
         path = checkpoints.save(at.global_step, at.snapshot(world), engine.save)
