@@ -55,10 +55,15 @@ PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 CONF
 : > /etc/slurm/cgroup.conf  # no cgroup plugin in use (proctrack/linuxproc, task/none)
 
-if ! pgrep -x munged >/dev/null; then
+# A munged left from an earlier install (its socket removed, or another key) answers nothing:
+# restart it unless a credential round-trips.
+if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+  pkill -x munged 2>/dev/null || true
+  for _ in $(seq 50); do pgrep -x munged >/dev/null || break; sleep 0.1; done
   [[ -s /etc/munge/munge.key ]] || mungekey --create >/dev/null 2>&1 || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 2>/dev/null
   chown munge: /etc/munge/munge.key /run/munge && chmod 400 /etc/munge/munge.key
   runuser -u munge -- munged
+  munge -n | unmunge >/dev/null || { echo "local_cluster.sh: munged does not answer; see /var/log/munge/" >&2; exit 1; }
 fi
 slurmctld
 slurmd
