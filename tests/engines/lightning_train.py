@@ -1,9 +1,9 @@
 """A small CNN trained by a real ``lightning.Trainer`` with :class:`DistNormSync`.
 
 Run by tests/test_lightning.py in a subprocess: ``--devices 2`` lets Lightning's DDP
-strategy start the second process itself (CPU, gloo); ``--reference`` trains the same model
-in one plain PyTorch process on the concatenated batch, with the plugin following a torch
-optimizer. Every rank writes what it saw to ``{out}.rank{r}.pt``: per step the loss, the
+strategy start the second process itself (CPU, gloo). :func:`run_reference` trains the same
+model in one plain PyTorch process on the concatenated batch, with the plugin following a
+torch optimizer (the test calls it in its own process). Every rank writes what it saw to ``{out}.rank{r}.pt``: per step the loss, the
 learning rate the optimizer applied and AMAT's eta; the final parameters and buffers; how
 the DDP wrapper was built; where distnorm was imported from.
 
@@ -98,7 +98,7 @@ def run_lightning(args, cfg) -> tuple[int, dict]:
 
     module = Module()
     sync = dn.DistNormSync(cfg)
-    extra = {} if args.no_plugin else {"plugins": [sync], "callbacks": [sync]}
+    extra = {} if args.no_plugin else {"plugins": [sync], "callbacks": [] if args.plugin_only else [sync]}
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=DDPStrategy(process_group_backend="gloo"),
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -114,24 +114,27 @@ def run_lightning(args, cfg) -> tuple[int, dict]:
 
     trainer.callbacks.append(Spy())
     trainer.fit(module, ckpt_path=args.ckpt if args.resume else None)
+    saved = {}
     if args.save:
-        trainer.save_checkpoint(args.save)
-    result = {**module.seen, **_record(module), **ddp_seen, "world": trainer.world_size,
+        trainer.save_checkpoint(args.save)  # rank 0 writes, then every rank waits for it
+        ckpt = torch.load(args.save, weights_only=False)
+        saved = {"ckpt_callbacks": sorted(ckpt.get("callbacks", {})), "ckpt_keys": sorted(ckpt["state_dict"])}
+    result = {**saved, **module.seen, **_record(module), **ddp_seen, "world": trainer.world_size,
               "distnorm_file": distnorm.__file__, "plugin_state": sync.state_dict(),
               "conversion": distnorm.conversion_summary(module)}
     return trainer.global_rank, result
 
 
-def run_reference(args, cfg) -> tuple[int, dict]:
-    """One plain PyTorch process on the concatenated batch (the oracle)."""
+def run_reference(cfg: distnorm.DistNormConfig, steps: int = 6, global_batch_size: int = 8) -> dict:
+    """One plain PyTorch process on the concatenated batch (the oracle; the test calls it)."""
     model = make_model()
     plugin = distnorm.DistNormPlugin(model, cfg)
     optimizer, scheduler = make_optimizer(model.parameters())
     plugin.follow(optimizer)
     loss_fn = nn.CrossEntropyLoss()
     seen = {"losses": [], "lrs": [], "etas": [], "steps": []}
-    for step in range(args.steps):
-        x, y = global_batch(step, args.global_batch)
+    for step in range(steps):
+        x, y = global_batch(step, global_batch_size)
         loss = loss_fn(model(x), y)
         loss.backward()
         seen["losses"].append(loss.item())
@@ -143,26 +146,41 @@ def run_reference(args, cfg) -> tuple[int, dict]:
         optimizer.zero_grad()
     # the LightningModule holds the model as ``net``
     record = {kind: {f"net.{k}": v for k, v in values.items()} for kind, values in _record(model).items()}
-    return 0, {**seen, **record, "world": 1}
+    return {**seen, **record, "world": 1}
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--reference", action="store_true")
     p.add_argument("--no-plugin", action="store_true", help="plain Lightning, no distnorm lines")
+    p.add_argument("--plugin-only", action="store_true", help="DistNormSync as a plugin but not as a callback")
     p.add_argument("--save", default=None, help="write a checkpoint here after fit")
     p.add_argument("--ckpt", default=None)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--out", required=True)
     distnorm.add_arguments(p)
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    """``lightning_train.py OUT NAME:ARGS [NAME:ARGS ...]``: train every run in turn in the
+    same processes (Lightning starts the second rank once, and it runs the same list) and
+    write ``OUT/NAME.rank{r}.pt``; ``ARGS`` are the flags of :func:`parser`, space-separated.
+    A run that raises records ``{"error": message}`` and ends the list."""
     torch.set_num_threads(1)
-    cfg = distnorm.DistNormConfig.from_args(args)
-    rank, result = (run_reference if args.reference else run_lightning)(args, cfg)
-    torch.save(result, f"{args.out}.rank{rank}.pt")
+    out, runs = sys.argv[1], sys.argv[2:]
+    for run in runs:
+        name, _, flags = run.partition(":")
+        args = parser().parse_args(flags.split())
+        cfg = distnorm.DistNormConfig.from_args(args)
+        try:
+            rank, result = run_lightning(args, cfg)
+        except Exception as err:  # noqa: BLE001 - the test reads the message
+            rank = int(os.environ.get("LOCAL_RANK", 0))
+            torch.save({"error": f"{type(err).__name__}: {err}"}, f"{out}/{name}.rank{rank}.pt")
+            return 0
+        torch.save(result, f"{out}/{name}.rank{rank}.pt")
     return 0
 
 
