@@ -45,7 +45,23 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     cmd = [sys.executable, str(SCRIPT), str(out), *(f"{name}:{flags}" for name, flags in plan.items())]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {name: [torch.load(out / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)] for name in plan}
+    records = {}
+    for name in plan:  # a run that raised ended the list: the later ones left no record
+        files = [out / f"{name}.rank{r}.pt" for r in range(2)]
+        records[name] = [torch.load(f, weights_only=False) for f in files] if all(f.exists() for f in files) else None
+    return records
+
+
+def _records(runs: dict, name: str, error_expected: bool = False) -> list[dict]:
+    """The records of run ``name``; fails naming the run that raised instead."""
+    for earlier, recs in runs.items():
+        failed = recs is not None and "error" in recs[0]
+        if earlier == name:
+            assert recs is not None, f"run {name!r} never ran"
+            assert failed == error_expected, recs[0].get("error")
+            return recs
+        assert not failed, f"run {earlier!r} raised, so {name!r} never ran: {recs[0]['error']}"
+    raise KeyError(name)
 
 
 def _assert_matches_reference(split: list[dict], ref: dict, first_step: int = 0) -> None:
@@ -75,7 +91,7 @@ def test_two_lightning_ranks_match_one_process(runs, run, flags):
     for the step (eta off by one step), statistics not synchronized across Lightning's DDP
     ranks, BNP moments computed per rank, or DDP broadcasting rank 0's buffers every forward
     (which would hide per-rank buffers instead of proving them equal)."""
-    split = runs[run]
+    split = _records(runs, run)
     assert split[0]["distnorm_file"].startswith(str(REPO)), split[0]["distnorm_file"]  # the tree under test
     assert split[0]["wrapper"] == "DistributedDataParallel" and split[0]["broadcast_buffers"] is False
     if run == "cbn":  # eta = 1 - omega * lr for the lr applied at every step
@@ -90,7 +106,7 @@ def test_lightning_resume_from_checkpoint_equals_uninterrupted(runs):
     """Bug caught: the DDP strategy restores a checkpoint's weights before LayerSync.apply, so a
     fresh process resuming fit(ckpt_path=...) loaded converted-model keys into the bare model
     (missing CBN / BNP keys); or the plugin state was not carried by the checkpoint."""
-    first, resumed = runs["first"], runs["resumed"]
+    first, resumed = _records(runs, "first"), _records(runs, "resumed")
     assert first[0]["ckpt_callbacks"] == ["DistNormSync"]
     assert any(k.endswith("amat_mean") for k in first[0]["ckpt_keys"])
     assert any(k.endswith("bnp_mean") for k in first[0]["ckpt_keys"])
@@ -104,7 +120,7 @@ def test_lightning_off_is_off(runs):
     """Bug caught: DistNormSync with a configuration that changes nothing still converted the
     model, turned DDP's buffer broadcast off (per-rank BatchNorm statistics would drift) or
     wrote an entry into Lightning's checkpoints."""
-    off, plain = runs["off"], runs["plain"]
+    off, plain = _records(runs, "off"), _records(runs, "plain")
     for a, b in zip(off, plain):
         assert a["broadcast_buffers"] is True and b["broadcast_buffers"] is True
         assert a["conversion"] == {} and a["losses"] == b["losses"]
@@ -120,5 +136,5 @@ def test_lightning_off_is_off(runs):
 def test_lightning_plugin_without_callback_is_refused(runs):
     """Bug caught: DistNormSync given only in plugins=[...] converted the model but AMAT never
     learned the learning rate and the checkpoint could not be resumed — silently."""
-    for rank in runs["plugin_only"]:
+    for rank in _records(runs, "plugin_only", error_expected=True):
         assert "plugins=[sync], callbacks=[sync]" in rank["error"], rank["error"]
