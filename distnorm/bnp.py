@@ -120,23 +120,57 @@ def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     state: BNPLayerState = module.__dict__["_distnorm_bnp"]
     if state.aliases is None:
         mean, var_t, q2 = state.active
-        params = module._parameters
-        state.aliases = BNPGradientFunction.apply(params["weight"], params.get("bias"), mean, var_t, q2, state.groups)
+        state.aliases = BNPGradientFunction.apply(_own(module, "weight"), _own(module, "bias"), mean, var_t, q2,
+                                                  state.groups)
     return state.aliases
+
+
+def _own(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The layer's ``weight`` / ``bias``: its Parameter, or the plain tensor an engine put in
+    its place — FSDP1 (``FullyShardedDataParallel``) replaces the Parameters by views of its
+    gathered flat parameter for the forward, so BNP preconditions the gathered weight."""
+    params = module._parameters
+    if name in params:
+        return params[name]
+    try:
+        return module.__dict__[_PLAIN + name]
+    except KeyError:  # removed (FSDP1 between deleting and registering it): hasattr() says no
+        raise AttributeError(f"'{type(module).__name__}' object has no attribute '{name}'") from None
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
     state = module.__dict__.get("_distnorm_bnp")
     if state is None or state.active is None:
-        return module._parameters["weight"]
+        return _own(module, "weight")
     return _aliases(module)[0]
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
     state = module.__dict__.get("_distnorm_bnp")
     if state is None or state.active is None:
-        return module._parameters.get("bias")
+        return _own(module, "bias")
     return _aliases(module)[1]
+
+
+_PLAIN = "_distnorm_plain_"
+
+
+def _setter(name: str) -> Any:
+    """Engines that bypass ``nn.Module.__setattr__`` (FSDP1 sets its views with
+    ``object.__setattr__``) land here: a Parameter is already in ``_parameters``; a plain
+    tensor is kept aside and read by :func:`_own`."""
+    def set_(module: nn.Module, value: torch.Tensor | None) -> None:
+        module.__dict__.pop(_PLAIN + name, None)
+        if not isinstance(value, nn.Parameter):
+            module.__dict__[_PLAIN + name] = value
+    return set_
+
+
+def _deleter(name: str) -> Any:
+    def delete(module: nn.Module) -> None:
+        module.__dict__.pop(_PLAIN + name, None)
+        module._parameters.pop(name, None)
+    return delete
 
 
 _CLASSES: dict[type, type] = {}
@@ -149,7 +183,8 @@ def _preconditioned_class(cls: type) -> type:
     the optimizer are untouched; ``isinstance`` and the class name are kept."""
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (cls,), {
-            "weight": property(_weight), "bias": property(_bias),
+            "weight": property(_weight, _setter("weight"), _deleter("weight")),
+            "bias": property(_bias, _setter("bias"), _deleter("bias")),
             "__module__": cls.__module__, "_distnorm_original_class": cls,
         })
     return _CLASSES[cls]
