@@ -126,16 +126,16 @@ def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def _own(module: nn.Module, name: str) -> torch.Tensor | None:
-    """The layer's ``weight`` / ``bias``: its Parameter, or the plain tensor an engine put in
-    its place — FSDP1 (``FullyShardedDataParallel``) replaces the Parameters by views of its
-    gathered flat parameter for the forward, so BNP preconditions the gathered weight."""
+    """The layer's ``weight`` / ``bias`` as the plain class would give it: an instance
+    attribute an engine set past ``nn.Module.__setattr__`` first, then the Parameter.
+    FSDP1 (``FullyShardedDataParallel``) puts views of its gathered flat parameter there for
+    the forward, so BNP preconditions the gathered weight."""
+    if name in module.__dict__:
+        return module.__dict__[name]
     params = module._parameters
     if name in params:
         return params[name]
-    try:
-        return module.__dict__[_PLAIN + name]
-    except KeyError:  # removed (FSDP1 between deleting and registering it): hasattr() says no
-        raise AttributeError(f"'{type(module).__name__}' object has no attribute '{name}'") from None
+    raise AttributeError(f"'{type(module).__name__}' object has no attribute '{name}'")
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -152,25 +152,23 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
     return _aliases(module)[1]
 
 
-_PLAIN = "_distnorm_plain_"
-
-
 def _setter(name: str) -> Any:
-    """Engines that bypass ``nn.Module.__setattr__`` (FSDP1 sets its views with
-    ``object.__setattr__``) land here: a Parameter is already in ``_parameters``; a plain
-    tensor is kept aside and read by :func:`_own`."""
+    """What ``object.__setattr__`` does for the plain class (engines that bypass
+    ``nn.Module.__setattr__``, as FSDP1 does, land here): an instance attribute, which
+    ``nn.Module`` removes again when a Parameter of that name is registered."""
     def set_(module: nn.Module, value: torch.Tensor | None) -> None:
-        module.__dict__.pop(_PLAIN + name, None)
-        if not isinstance(value, nn.Parameter):
-            module.__dict__[_PLAIN + name] = value
+        module.__dict__[name] = value
     return set_
 
 
 def _deleter(name: str) -> Any:
     def delete(module: nn.Module) -> None:
-        module.__dict__.pop(_PLAIN + name, None)
-        module._parameters.pop(name, None)
+        if module.__dict__.pop(name, _MISSING) is _MISSING:
+            raise AttributeError(name)
     return delete
+
+
+_MISSING = object()
 
 
 _CLASSES: dict[type, type] = {}
