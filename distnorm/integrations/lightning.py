@@ -42,13 +42,14 @@ conversion, no hook, no DDP setting, no checkpoint entry.
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Any, Iterable
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distnorm.config import DistNormConfig
+from distnorm.config import DistNormConfig, add_arguments
 from distnorm.plugin import DistNormPlugin, buffer_broadcast_needed
 
 try:
@@ -57,7 +58,7 @@ try:
 except ImportError as err:  # the extra is missing: say which one
     raise ImportError("distnorm's Lightning integration needs `pip install distnorm[lightning]`") from err
 
-__all__ = ["DistNormSync"]
+__all__ = ["DistNormSync", "add_arguments"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ class DistNormSync(LayerSync, Callback):
     ``Trainer(plugins=[sync], callbacks=[sync])``.
 
     Args:
-        config: what to do (default: :class:`~distnorm.DistNormConfig()`, which changes nothing).
+        config: what to do (default: :class:`~distnorm.DistNormConfig()`, which changes
+            nothing), or the namespace of a parser that went through :func:`add_arguments`.
 
     Attributes:
         plugin: the :class:`~distnorm.DistNormPlugin` of the converted LightningModule
@@ -108,7 +110,9 @@ class DistNormSync(LayerSync, Callback):
         DistNormPlugin(norm='cbn', bnp=False, amat_layers=1)
     """
 
-    def __init__(self, config: DistNormConfig | None = None):
+    def __init__(self, config: DistNormConfig | argparse.Namespace | None = None):
+        if isinstance(config, argparse.Namespace):
+            config = DistNormConfig.from_args(config)
         self.config = config if config is not None else DistNormConfig()
         self.plugin: DistNormPlugin | None = None
 
