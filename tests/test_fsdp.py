@@ -171,24 +171,37 @@ def test_sharded_ranks_match_one_process(tmp_path, kind, flags, groups, resume_a
         assert any(k.endswith("bnp_var") for k in ranks[0]["state"])
 
 
-def _flat_two_groups(rank: int, world: int) -> str:
+def _refusals(rank: int, world: int) -> dict[str, str]:
+    """Each refused combination's message (or "accepted")."""
+    def message(fn, error):
+        try:
+            fn()
+        except error as err:
+            return str(err)
+        return "accepted"
+
     model = make_model()
     plugin = distnorm.DistNormPlugin(model, distnorm.DistNormConfig(norm="cbn"))
     wrapped = _shard(model, "fsdp1-flat")
     flat = list(wrapped.parameters())
     optimizer = torch.optim.SGD([{"params": flat[:1]}, {"params": flat[1:], "lr": 0.01}], lr=0.05)
-    try:
-        plugin.follow(optimizer)
-    except ValueError as err:
-        return str(err)
-    return "followed"
+    found = {"flat-groups": message(lambda: plugin.follow(optimizer), ValueError)}
+    for kind in ("fsdp1-orig", "fsdp2"):  # conversion after sharding: parameters FSDP never sees
+        sharded = _shard(make_model(), kind)
+        found[f"{kind}-convert"] = message(lambda: distnorm.convert(sharded, norm="cbn"), TypeError)
+        found[f"{kind}-bnp"] = message(lambda: distnorm.bnp.attach(sharded), TypeError)
+    return found
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.world_size(2)
-def test_flat_fsdp1_with_several_groups_is_refused(tmp_path):
+def test_combinations_that_cannot_work_are_refused(tmp_path):
     """Bug caught: under FSDP1 without use_orig_params the AMAT layers' weights are hidden in
     FlatParameters, and follow() silently made every layer follow group 0 of an optimizer
-    whose groups have different learning rates."""
-    for message in run_distributed(_flat_two_groups, 2, tmp_path, timeout=50):
-        assert "use_orig_params=True" in message and "2 parameter groups" in message, message
+    whose groups have different learning rates; or convert / BNP applied to a model FSDP
+    already sharded (new parameters FSDP never gathers, reduces or shards)."""
+    for found in run_distributed(_refusals, 2, tmp_path, timeout=50):
+        assert "use_orig_params=True" in found["flat-groups"] and "2 parameter groups" in found["flat-groups"], found
+        assert "wrapped by torch FSDP" in found["fsdp1-orig-convert"], found
+        assert "wrapped by torch FSDP (fully_shard)" in found["fsdp2-convert"], found
+        assert "wrapped by torch FSDP" in found["fsdp1-orig-bnp"] and "torch FSDP" in found["fsdp2-bnp"], found
