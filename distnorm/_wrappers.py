@@ -9,6 +9,9 @@ PyTorch's own wrappers are registered here; an engine library's integration
 (``distnorm.integrations.<library>``) registers that library's wrappers with
 :func:`register_wrapper`, and is imported the first time a module of that library is met,
 so the core never names an engine it does not ship with.
+
+torch's FSDP is known here too, down to its parameters: :func:`fsdp_sharded` (one shard per
+rank, left out of consistency checks) and :func:`fsdp_flat` (FSDP1's ``FlatParameter``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import importlib.util
 import torch
 import torch.distributed.fsdp as fsdp
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5 (public name since)
+    from torch.distributed._tensor import DTensor
 
 __all__ = ["register_wrapper", "refuse_wrapped", "wrapper_name", "fsdp_sharded", "fsdp_flat"]
 
