@@ -39,6 +39,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         "resumed": f"--distnorm cbn --distnorm-bnp --steps 6 --ckpt {out}/cbn_bnp.ckpt --resume",
         "off": f"--steps 4 --save {out}/off.ckpt",
         "plain": f"--steps 4 --no-plugin --save {out}/plain.ckpt",
+        "two_optimizers": "--distnorm cbn --two-optimizers --steps 6",
         "plugin_only": "--distnorm cbn --plugin-only",  # raises: last
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -113,6 +114,17 @@ def test_lightning_resume_from_checkpoint_equals_uninterrupted(runs):
     assert resumed[0]["steps"] == [3, 4, 5]
     _assert_matches_reference(resumed, run_reference(distnorm.DistNormConfig(norm="cbn", bnp=True)), first_step=3)
     assert resumed[0]["plugin_state"]["plugin"]["config"]["norm"] == "cbn"
+
+
+@pytest.mark.timeout(300)
+def test_lightning_amat_follows_the_optimizer_holding_its_weight(runs):
+    """Bug caught: with several Lightning optimizers (manual optimization), AMAT followed the
+    first optimizer's learning rate instead of the one updating the norm's parameters."""
+    for rank in _records(runs, "two_optimizers"):
+        assert len(rank["etas"]) >= 3
+        for (rest_lr, norm_lr), etas in zip(rank["lrs"], rank["etas"]):
+            assert norm_lr == pytest.approx(rest_lr / 3)
+            assert etas == pytest.approx([1 - 10 * norm_lr] * 2)
 
 
 @pytest.mark.timeout(300)

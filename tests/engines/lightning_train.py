@@ -46,8 +46,8 @@ def warmup_decay(step: int) -> float:
     return (0.2 + 0.8 * step / 3) if step < 3 else 0.7 ** (step - 3)
 
 
-def make_optimizer(params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
+def make_optimizer(params, lr: float = LR) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_decay)
 
 
@@ -72,11 +72,14 @@ def run_lightning(args, cfg) -> tuple[int, dict]:
             self.net = make_model()
             self.loss_fn = nn.CrossEntropyLoss()
             self.seen = {"losses": [], "lrs": [], "etas": [], "steps": []}
+            self.automatic_optimization = not args.two_optimizers
 
         def forward(self, x):
             return self.net(x)
 
         def training_step(self, batch, batch_idx):
+            if args.two_optimizers:
+                return self.manual_step(batch_idx)
             world, rank = self.trainer.world_size, self.trainer.global_rank
             step = self.trainer.global_step
             x, y = global_batch(step, args.global_batch)
@@ -92,7 +95,29 @@ def run_lightning(args, cfg) -> tuple[int, dict]:
         def train_dataloader(self):
             return torch.utils.data.DataLoader(list(range(100)), batch_size=None)
 
+        def manual_step(self, step):
+            """Two optimizers (manual optimization): the rest first, the norms' parameters
+            second at a third of the learning rate; AMAT must follow the second."""
+            world, rank = self.trainer.world_size, self.trainer.global_rank
+            x, y = global_batch(step, args.global_batch)
+            per_rank = args.global_batch // world
+            loss = self.loss_fn(self(x[rank * per_rank:(rank + 1) * per_rank]), y[rank * per_rank:(rank + 1) * per_rank])
+            self.manual_backward(loss)
+            self.seen["lrs"].append([opt.param_groups[0]["lr"] for opt in self.trainer.optimizers])
+            self.seen["etas"].append([m.eta for m in _amat(self)])
+            self.seen["steps"].append(step)
+            for opt in self.optimizers():
+                opt.step()
+                opt.zero_grad()
+            for scheduler in self.lr_schedulers():
+                scheduler.step()
+
         def configure_optimizers(self):
+            if args.two_optimizers:
+                norms = [p for n, p in self.named_parameters() if ".norm." in n]
+                rest = [p for n, p in self.named_parameters() if ".norm." not in n]
+                (rest_opt, rest_sched), (norm_opt, norm_sched) = make_optimizer(rest), make_optimizer(norms, LR / 3)
+                return [rest_opt, norm_opt], [rest_sched, norm_sched]
             optimizer, scheduler = make_optimizer(self.parameters())
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -156,6 +181,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--no-plugin", action="store_true", help="plain Lightning, no distnorm lines")
     p.add_argument("--plugin-only", action="store_true", help="DistNormSync as a plugin but not as a callback")
+    p.add_argument("--two-optimizers", action="store_true", help="manual optimization with two optimizers")
     p.add_argument("--save", default=None, help="write a checkpoint here after fit")
     p.add_argument("--ckpt", default=None)
     p.add_argument("--resume", action="store_true")
