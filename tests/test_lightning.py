@@ -40,6 +40,7 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         "off": f"--steps 4 --save {out}/off.ckpt",
         "plain": f"--steps 4 --no-plugin --save {out}/plain.ckpt",
         "two_optimizers": "--distnorm cbn --two-optimizers --steps 6",
+        "refit": "--distnorm cbn --steps 3 --refit",
         "plugin_only": "--distnorm cbn --plugin-only",  # raises: last
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -125,6 +126,16 @@ def test_lightning_amat_follows_the_optimizer_holding_its_weight(runs):
         for (rest_lr, norm_lr), etas in zip(rank["lrs"], rank["etas"]):
             assert norm_lr == pytest.approx(rest_lr / 3)
             assert etas == pytest.approx([1 - 10 * norm_lr] * 2)
+
+
+@pytest.mark.timeout(300)
+def test_lightning_second_fit_follows_the_new_optimizer(runs):
+    """Bug caught: revert() at the end of fit stopped AMAT following the optimizer, and a
+    second fit of the same module (a new Trainer, new optimizers) never resumed it: AMAT kept
+    the last learning rate of the first fit."""
+    for rank in _records(runs, "refit"):
+        assert rank["steps"] == [0, 1, 2, 0, 1, 2] and rank["broadcast_buffers"] is False
+        assert [e[0] for e in rank["etas"]] == pytest.approx([1 - 10 * lr for lr in rank["lrs"]])
 
 
 @pytest.mark.timeout(300)

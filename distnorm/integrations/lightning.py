@@ -115,14 +115,16 @@ class DistNormSync(LayerSync, Callback):
             config = DistNormConfig.from_args(config)
         self.config = config if config is not None else DistNormConfig()
         self.plugin: DistNormPlugin | None = None
+        self._reverted = False
 
     # ------------------------------------------------------------- LayerSync
     def apply(self, model: nn.Module) -> nn.Module:
         """Convert ``model`` in place (once; later calls only resume following and checking)."""
         if self.plugin is not None and self.plugin.model is model:
             plugin = self.plugin
-            if plugin.config.active and plugin._hook is None:  # after revert(): follow and check again
+            if self._reverted and plugin.config.active:  # fit again: follow and check again
                 plugin._hook = model.register_forward_pre_hook(plugin._before_forward)
+            self._reverted = False
             return model
         if self.plugin is not None:
             raise ValueError(
@@ -134,8 +136,9 @@ class DistNormSync(LayerSync, Callback):
 
     def revert(self, model: nn.Module) -> nn.Module:
         """Stop following the optimizer and checking; keep the converted (trained) layers."""
-        if self.plugin is not None and self.plugin.model is model:
+        if self.plugin is not None and self.plugin.model is model and not self._reverted:
             self.plugin.remove()
+            self._reverted = True
         return model
 
     def _require_callback(self, model: nn.Module) -> None:

@@ -139,6 +139,13 @@ def run_lightning(args, cfg) -> tuple[int, dict]:
 
     trainer.callbacks.append(Spy())
     trainer.fit(module, ckpt_path=args.ckpt if args.resume else None)
+    if args.refit:  # fit the same module again: a new Trainer, new optimizers, the same sync
+        trainer = L.Trainer(
+            accelerator="cpu", devices=args.devices, strategy=DDPStrategy(process_group_backend="gloo"),
+            max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, **extra,
+        )
+        trainer.fit(module)
     saved = {}
     if args.save:
         trainer.save_checkpoint(args.save)  # rank 0 writes, then every rank waits for it
@@ -182,6 +189,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plugin", action="store_true", help="plain Lightning, no distnorm lines")
     p.add_argument("--plugin-only", action="store_true", help="DistNormSync as a plugin but not as a callback")
     p.add_argument("--two-optimizers", action="store_true", help="manual optimization with two optimizers")
+    p.add_argument("--refit", action="store_true", help="fit the module a second time with a new Trainer")
     p.add_argument("--save", default=None, help="write a checkpoint here after fit")
     p.add_argument("--ckpt", default=None)
     p.add_argument("--resume", action="store_true")
