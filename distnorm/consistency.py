@@ -12,11 +12,11 @@ by averaging the gradients. :func:`check_consistency` verifies that at any time,
    exactly, and the error names each tensor and the groups of ranks that agree.
 
 Only replicated state is compared. A parameter an engine partitions across ranks (ZeRO-3,
-torch FSDP)
-holds a different shard on every rank by design and is left out, as is optimizer state
-kept for such shards (ZeRO 1-3 optimizers); the integrations say which parameters are
-partitioned (:func:`register_partitioned`), so which tensors are compared depends only on
-facts every rank shares, and no rank can be left waiting in a collective another skipped.
+torch FSDP) holds a different shard on every rank by design and is left out, as is
+optimizer state kept for such shards (ZeRO 1-3 optimizers); the integrations say which
+parameters are partitioned (:func:`register_partitioned`; torch FSDP's are known here), so
+which tensors are compared depends only on facts every rank shares, and no rank can be left
+waiting in a collective another skipped.
 """
 
 from __future__ import annotations
