@@ -9,6 +9,9 @@ PyTorch's own wrappers are registered here; an engine library's integration
 (``distnorm.integrations.<library>``) registers that library's wrappers with
 :func:`register_wrapper`, and is imported the first time a module of that library is met,
 so the core never names an engine it does not ship with.
+
+torch's FSDP is known here too, down to its parameters: :func:`fsdp_sharded` (one shard per
+rank, left out of consistency checks) and :func:`fsdp_flat` (FSDP1's ``FlatParameter``).
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
+import torch
 import torch.distributed.fsdp as fsdp
 from torch import nn
 
-__all__ = ["register_wrapper", "refuse_wrapped", "wrapper_name"]
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.5 (public name since)
+    from torch.distributed._tensor import DTensor
+
+__all__ = ["register_wrapper", "refuse_wrapped", "wrapper_name", "fsdp_sharded", "fsdp_flat"]
 
 _WRAPPERS: list[tuple[type, str]] = []
 _LIBRARIES_SEEN: set[str] = {"torch", "builtins", "__main__"}
@@ -36,6 +45,18 @@ register_wrapper(nn.DataParallel, "torch DataParallel")
 register_wrapper(fsdp.FullyShardedDataParallel, "torch FSDP")
 if hasattr(fsdp, "FSDPModule"):  # fully_shard (FSDP2), torch >= 2.6
     register_wrapper(fsdp.FSDPModule, "torch FSDP (fully_shard)")
+
+
+def fsdp_sharded(param: torch.Tensor) -> bool:
+    """A parameter torch's FSDP manages: one shard per rank (FSDP1 marks every parameter it
+    flattens, ``use_orig_params`` or not; ``fully_shard`` makes them DTensors). The same
+    answer on every rank, whatever is gathered at the moment."""
+    return bool(getattr(param, "_fsdp_flattened", False)) or isinstance(param, DTensor)
+
+
+def fsdp_flat(param: torch.Tensor) -> bool:
+    """A ``FlatParameter`` of FSDP1 without ``use_orig_params``: many layers' parameters in one."""
+    return bool(getattr(param, "_is_flat_param", False))
 
 
 def _load_integration(module: nn.Module) -> None:

@@ -120,23 +120,55 @@ def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     state: BNPLayerState = module.__dict__["_distnorm_bnp"]
     if state.aliases is None:
         mean, var_t, q2 = state.active
-        params = module._parameters
-        state.aliases = BNPGradientFunction.apply(params["weight"], params.get("bias"), mean, var_t, q2, state.groups)
+        state.aliases = BNPGradientFunction.apply(_own(module, "weight"), _own(module, "bias"), mean, var_t, q2,
+                                                  state.groups)
     return state.aliases
+
+
+def _own(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The layer's ``weight`` / ``bias`` as the plain class would give it: an instance
+    attribute an engine set past ``nn.Module.__setattr__`` first, then the Parameter.
+    FSDP1 (``FullyShardedDataParallel``) puts views of its gathered flat parameter there for
+    the forward, so BNP preconditions the gathered weight."""
+    if name in module.__dict__:
+        return module.__dict__[name]
+    params = module._parameters
+    if name in params:
+        return params[name]
+    raise AttributeError(f"'{type(module).__name__}' object has no attribute '{name}'")
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
     state = module.__dict__.get("_distnorm_bnp")
     if state is None or state.active is None:
-        return module._parameters["weight"]
+        return _own(module, "weight")
     return _aliases(module)[0]
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
     state = module.__dict__.get("_distnorm_bnp")
     if state is None or state.active is None:
-        return module._parameters.get("bias")
+        return _own(module, "bias")
     return _aliases(module)[1]
+
+
+def _setter(name: str) -> Any:
+    """What ``object.__setattr__`` does for the plain class (engines that bypass
+    ``nn.Module.__setattr__``, as FSDP1 does, land here): an instance attribute, which
+    ``nn.Module`` removes again when a Parameter of that name is registered."""
+    def set_(module: nn.Module, value: torch.Tensor | None) -> None:
+        module.__dict__[name] = value
+    return set_
+
+
+def _deleter(name: str) -> Any:
+    def delete(module: nn.Module) -> None:
+        if module.__dict__.pop(name, _MISSING) is _MISSING:
+            raise AttributeError(name)
+    return delete
+
+
+_MISSING = object()
 
 
 _CLASSES: dict[type, type] = {}
@@ -149,7 +181,8 @@ def _preconditioned_class(cls: type) -> type:
     the optimizer are untouched; ``isinstance`` and the class name are kept."""
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (cls,), {
-            "weight": property(_weight), "bias": property(_bias),
+            "weight": property(_weight, _setter("weight"), _deleter("weight")),
+            "bias": property(_bias, _setter("bias"), _deleter("bias")),
             "__module__": cls.__module__, "_distnorm_original_class": cls,
         })
     return _CLASSES[cls]

@@ -11,11 +11,12 @@ by averaging the gradients. :func:`check_consistency` verifies that at any time,
 3. only if some fingerprints differ: the divergent tensors are gathered and compared
    exactly, and the error names each tensor and the groups of ranks that agree.
 
-Only replicated state is compared. A parameter an engine partitions across ranks (ZeRO-3)
-holds a different shard on every rank by design and is left out, as is optimizer state
-kept for such shards (ZeRO 1-3 optimizers); the integrations say which parameters are
-partitioned (:func:`register_partitioned`), so which tensors are compared depends only on
-facts every rank shares, and no rank can be left waiting in a collective another skipped.
+Only replicated state is compared. A parameter an engine partitions across ranks (ZeRO-3,
+torch FSDP) holds a different shard on every rank by design and is left out, as is
+optimizer state kept for such shards (ZeRO 1-3 optimizers); the integrations say which
+parameters are partitioned (:func:`register_partitioned`; torch FSDP's are known here), so
+which tensors are compared depends only on facts every rank shares, and no rank can be left
+waiting in a collective another skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, assert_same_across_ranks
+from distnorm._wrappers import fsdp_sharded
 from distnorm.errors import InconsistentStateError
 from distnorm.layers import _DistNormLayer, name_layers
 
@@ -47,7 +49,7 @@ _GOLDEN = 0x9E3779B1  # odd multiplier: a position-dependent weight for every el
 #: Tests ``test(parameter) -> bool`` telling a parameter an engine partitions across ranks
 #: (different on every rank by design). Integrations register theirs; see
 #: :func:`register_partitioned`.
-_PARTITIONED: list[Callable[[torch.Tensor], bool]] = []
+_PARTITIONED: list[Callable[[torch.Tensor], bool]] = [fsdp_sharded]  # torch's own FSDP: known here
 
 #: Engine libraries whose integration registers a partition test: imported (if the script
 #: imported the library) before parameters are selected, so a bare script that never

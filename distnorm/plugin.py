@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distnorm import _collectives
 from distnorm._collectives import assert_same_across_ranks
+from distnorm._wrappers import fsdp_flat
 from distnorm.config import OFF, DistNormConfig
 from distnorm.consistency import check_consistency, consistent_tensors
 from distnorm.convert import convert
@@ -208,6 +209,16 @@ class DistNormPlugin:
                     f"DistNormPlugin.follow(): the optimizer does not hold {len(missing)} trainable parameter(s) "
                     f"of the model (e.g. {missing[:3]}): it was built before distnorm converted the model. "
                     "Create the plugin first, then the optimizer."
+                )
+            flat = [p for g in groups for p in g["params"] if fsdp_flat(p)]
+            if flat and len(groups) > 1 and any(id(m.weight) not in where for m in self.amat_layers):
+                # FSDP1 without use_orig_params: the layers' weights live inside flat
+                # parameters, and which group's learning rate applies to which layer is lost.
+                raise ValueError(
+                    f"DistNormPlugin.follow(): the optimizer has {len(groups)} parameter groups over FSDP "
+                    "FlatParameters, so AMAT cannot tell which group's learning rate each layer follows. "
+                    "Wrap with FullyShardedDataParallel(..., use_orig_params=True) (or use fully_shard), "
+                    "or use one parameter group."
                 )
             index = [where.get(id(m.weight), 0) for m in self.amat_layers]
             self._lr_of_layer = lambda: [source.param_groups[i]["lr"] for i in index]

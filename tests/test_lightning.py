@@ -1,0 +1,181 @@
+"""distnorm under a real ``lightning.Trainer(strategy="ddp", accelerator="cpu", devices=2)``:
+Lightning starts the second process itself; 2 ranks on split batches must match one plain
+PyTorch process on the concatenated batch (float64).
+
+Importing Lightning takes ~25 s per process on a loaded 2-core machine, so one launch
+(``tests/engines/lightning_train.py``) trains every run below in turn in the same two
+processes, and the tests read its records.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import distnorm
+
+pytest.importorskip("lightning")
+
+from tests.engines.lightning_train import run_reference  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "engines" / "lightning_train.py"
+REPO = Path(__file__).resolve().parents[1]
+TOL = dict(atol=1e-10, rtol=1e-10)  # float64: measured <= 2e-15
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run's records (rank order), from one 2-process Lightning launch."""
+    out = tmp_path_factory.mktemp("lightning")
+    plan = {
+        "cbn": "--distnorm cbn --distnorm-check-every 2",
+        "popnorm_bnp": "--distnorm popnorm --distnorm-bnp --distnorm-check-every 3",
+        "first": f"--distnorm cbn --distnorm-bnp --steps 3 --save {out}/cbn_bnp.ckpt",
+        "resumed": f"--distnorm cbn --distnorm-bnp --steps 6 --ckpt {out}/cbn_bnp.ckpt --resume",
+        "off": f"--steps 4 --save {out}/off.ckpt",
+        "plain": f"--steps 4 --no-plugin --save {out}/plain.ckpt",
+        "two_optimizers": "--distnorm cbn --two-optimizers --steps 6",
+        "refit": "--distnorm cbn --steps 3 --refit",
+        "plugin_only": "--distnorm cbn --plugin-only",  # raises: last
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(SCRIPT), str(out), *(f"{name}:{flags}" for name, flags in plan.items())]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    records = {}
+    for name in plan:  # a run that raised ended the list: the later ones left no record
+        files = [out / f"{name}.rank{r}.pt" for r in range(2)]
+        records[name] = [torch.load(f, weights_only=False) for f in files] if all(f.exists() for f in files) else None
+    return records
+
+
+def _records(runs: dict, name: str, error_expected: bool = False) -> list[dict]:
+    """The records of run ``name``; fails naming the run that raised instead."""
+    for earlier, recs in runs.items():
+        failed = recs is not None and "error" in recs[0]
+        if earlier == name:
+            assert recs is not None, f"run {name!r} never ran"
+            assert failed == error_expected, recs[0].get("error")
+            return recs
+        assert not failed, f"run {earlier!r} raised, so {name!r} never ran: {recs[0]['error']}"
+    raise KeyError(name)
+
+
+def _assert_matches_reference(split: list[dict], ref: dict, first_step: int = 0) -> None:
+    for rank in split:
+        assert rank["world"] == 2 and rank["steps"] == ref["steps"][first_step:]
+        torch.testing.assert_close(torch.tensor(rank["lrs"]), torch.tensor(ref["lrs"][first_step:]))
+        torch.testing.assert_close(torch.tensor(rank["etas"]), torch.tensor(ref["etas"][first_step:]))
+        for kind in ("params", "buffers"):
+            assert rank[kind].keys() == ref[kind].keys(), kind
+            for name, value in ref[kind].items():
+                torch.testing.assert_close(rank[kind][name], value, **TOL, msg=name)
+    losses = [torch.tensor(r["losses"], dtype=torch.float64) for r in (*split, ref)]
+    torch.testing.assert_close((losses[0] + losses[1]) / 2, losses[2][first_step:], **TOL)
+    # the rank losses average to the loss of the concatenated batch (checked above); the
+    # buffers are computed from all-reduced statistics: bit-identical
+    for name, value in split[0]["buffers"].items():
+        assert torch.equal(value, split[1]["buffers"][name]), f"buffer {name} differs across ranks"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("run, flags", [
+    ("cbn", dict(norm="cbn", check_every=2)),
+    ("popnorm_bnp", dict(norm="popnorm", bnp=True, check_every=3)),
+])
+def test_two_lightning_ranks_match_one_process(runs, run, flags):
+    """Bug caught: AMAT reading a learning rate other than the one Lightning's scheduler left
+    for the step (eta off by one step), statistics not synchronized across Lightning's DDP
+    ranks, BNP moments computed per rank, or DDP broadcasting rank 0's buffers every forward
+    (which would hide per-rank buffers instead of proving them equal)."""
+    split = _records(runs, run)
+    assert split[0]["distnorm_file"].startswith(str(REPO)), split[0]["distnorm_file"]  # the tree under test
+    assert split[0]["wrapper"] == "DistributedDataParallel" and split[0]["broadcast_buffers"] is False
+    if run == "cbn":  # eta = 1 - omega * lr for the lr applied at every step
+        assert [e[0] for e in split[0]["etas"]] == pytest.approx([1 - 10 * lr for lr in split[0]["lrs"]])
+    _assert_matches_reference(split, run_reference(distnorm.DistNormConfig(**flags)))
+    if "bnp" in flags:
+        assert any(k.endswith("bnp_var") for k in split[0]["buffers"])
+
+
+@pytest.mark.timeout(300)
+def test_lightning_resume_from_checkpoint_equals_uninterrupted(runs):
+    """Bug caught: the DDP strategy restores a checkpoint's weights before LayerSync.apply, so a
+    fresh process resuming fit(ckpt_path=...) loaded converted-model keys into the bare model
+    (missing CBN / BNP keys); or the plugin state was not carried by the checkpoint."""
+    first, resumed = _records(runs, "first"), _records(runs, "resumed")
+    assert first[0]["ckpt_callbacks"] == ["DistNormSync"]
+    assert any(k.endswith("amat_mean") for k in first[0]["ckpt_keys"])
+    assert any(k.endswith("bnp_mean") for k in first[0]["ckpt_keys"])
+    assert resumed[0]["steps"] == [3, 4, 5]
+    _assert_matches_reference(resumed, run_reference(distnorm.DistNormConfig(norm="cbn", bnp=True)), first_step=3)
+    assert resumed[0]["plugin_state"]["plugin"]["config"]["norm"] == "cbn"
+
+
+@pytest.mark.timeout(300)
+def test_lightning_amat_follows_the_optimizer_holding_its_weight(runs):
+    """Bug caught: with several Lightning optimizers (manual optimization), AMAT followed the
+    first optimizer's learning rate instead of the one updating the norm's parameters."""
+    for rank in _records(runs, "two_optimizers"):
+        assert len(rank["etas"]) >= 3
+        for (rest_lr, norm_lr), etas in zip(rank["lrs"], rank["etas"]):
+            assert norm_lr == pytest.approx(rest_lr / 3)
+            assert etas == pytest.approx([1 - 10 * norm_lr] * 2)
+
+
+@pytest.mark.timeout(300)
+def test_lightning_second_fit_follows_the_new_optimizer(runs):
+    """Bug caught: revert() at the end of fit stopped AMAT following the optimizer, and a
+    second fit of the same module (a new Trainer, new optimizers) never resumed it: AMAT kept
+    the last learning rate of the first fit."""
+    for rank in _records(runs, "refit"):
+        assert rank["steps"] == [0, 1, 2, 0, 1, 2] and rank["broadcast_buffers"] is False
+        assert [e[0] for e in rank["etas"]] == pytest.approx([1 - 10 * lr for lr in rank["lrs"]])
+
+
+@pytest.mark.timeout(300)
+def test_lightning_off_is_off(runs):
+    """Bug caught: DistNormSync with a configuration that changes nothing still converted the
+    model, turned DDP's buffer broadcast off (per-rank BatchNorm statistics would drift) or
+    wrote an entry into Lightning's checkpoints."""
+    off, plain = _records(runs, "off"), _records(runs, "plain")
+    for a, b in zip(off, plain):
+        assert a["broadcast_buffers"] is True and b["broadcast_buffers"] is True
+        assert a["conversion"] == {} and a["losses"] == b["losses"]
+        for kind in ("params", "buffers"):
+            assert a[kind].keys() == b[kind].keys()
+            for name in a[kind]:
+                assert torch.equal(a[kind][name], b[kind][name]), (kind, name)
+    assert off[0]["ckpt_callbacks"] == plain[0]["ckpt_callbacks"] == []
+    assert off[0]["ckpt_keys"] == plain[0]["ckpt_keys"]
+
+
+@pytest.mark.timeout(300)
+def test_lightning_plugin_without_callback_is_refused(runs):
+    """Bug caught: DistNormSync given only in plugins=[...] converted the model but AMAT never
+    learned the learning rate and the checkpoint could not be resumed — silently."""
+    for rank in _records(runs, "plugin_only", error_expected=True):
+        assert "plugins=[sync], callbacks=[sync]" in rank["error"], rank["error"]
+
+
+@pytest.mark.timeout(300)
+def test_lightning_example_runs_on_two_processes(tmp_path):
+    """Bug caught: examples/lightning_train.py (what the guide shows) drifting from the
+    integration: a renamed class or flag, the sync missing from callbacks, or a checkpoint
+    without distnorm's state and converted layers."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "examples" / "lightning_train.py"), "--accelerator", "cpu", "--devices", "2",
+           "--distnorm", "cbn", "--distnorm-bnp", "--max-steps", "3", "--batch-size", "8",
+           "--output-dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "done: 3 steps" in proc.stdout
+    ckpt = torch.load(tmp_path / "out" / "last.ckpt", weights_only=False)
+    assert ckpt["callbacks"]["DistNormSync"]["plugin"]["config"]["norm"] == "cbn"
+    assert any(k.endswith("amat_mean") for k in ckpt["state_dict"])
+    assert any(k.endswith("bnp_var") for k in ckpt["state_dict"])
