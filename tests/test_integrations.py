@@ -36,19 +36,29 @@ def _build_deepspeed_cpu_ops():
 
 
 
-def launch(nproc: int, out: Path, *args: str, expect: int = 0, timeout: int = 300) -> list[dict]:
-    """Run tests/engines/small_train.py under torchrun; return each rank's record."""
+def launch_many(nproc: int, runs: list[tuple[Path, list[str]]], expect: int = 0, timeout: int = 300) -> list[list[dict]]:
+    """Run tests/engines/small_train.py under torchrun once for several trainings, one after
+    the other in the same ranks (``--then``): ``runs`` is ``(out, args)`` per training.
+    Returns each training's per-rank records. One launch costs ~10 s of start-up on 2 cores
+    (torchrun, ``import torch`` / ``deepspeed``, rendezvous), a training of the small CNN
+    well under one, so trainings that need no fresh processes share one."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "ACCELERATE_USE_CPU": "true"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(SCRIPT), "--out", str(out), *args]
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(SCRIPT)]
+    for i, (out, args) in enumerate(runs):
+        cmd += [*(["--then"] if i else []), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != expect and expect == 0:
         raise AssertionError(f"torchrun exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     if expect != 0:
         assert proc.returncode != 0, "the run was expected to fail"
-    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(nproc)]
+    return [[torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(nproc)] for out, _ in runs]
+
+
+def launch(nproc: int, out: Path, *args: str, expect: int = 0, timeout: int = 300) -> list[dict]:
+    """One training in one torchrun launch; each rank's record."""
+    return launch_many(nproc, [(out, list(args))], expect=expect, timeout=timeout)[0]
 
 
 def _assert_same_training(split: list[dict], single: dict) -> None:
@@ -83,26 +93,57 @@ CONFIGS = [
 ]
 
 
+#: The configurations of test_two_ranks_match_one_process, by engine: one launch per engine
+#: and world size trains them all (trainings in one process group one after the other).
+BY_ENGINE = {
+    "accelerate": [c for c in CONFIGS if "accelerate" in c.id],
+    "deepspeed": [c for c in CONFIGS if "deepspeed" in c.id],
+}
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("engine_args", CONFIGS)
-def test_two_ranks_match_one_process(tmp_path, engine_args):
-    args = [*engine_args, "--distnorm", "cbn", "--distnorm-cbn-rho", "2", "--steps", "6", "--distnorm-check-every", "2"]
-    split = launch(2, tmp_path / "split", *args)
-    (single,) = launch(1, tmp_path / "single", *args)
-    _assert_same_training(split, single)
-    _assert_eta_follows_lr(split[0])
-    if "--distnorm-bnp" in engine_args:
-        assert any(k.endswith("bnp_var") for k in split[0]["buffers"])
+@pytest.mark.parametrize("engine", list(BY_ENGINE))
+def test_two_ranks_match_one_process(tmp_path, engine):
+    """Every configuration of the engine (Accelerate with and without BNP; DeepSpeed ZeRO 0-3,
+    ZeRO 2 and 3 with BNP): 2 ranks on split batches equal 1 rank on the whole batch."""
+    configs = BY_ENGINE[engine]
+    extra = ["--distnorm", "cbn", "--distnorm-cbn-rho", "2", "--steps", "6", "--distnorm-check-every", "2"]
+    args = {c.id: [*c.values[0], *extra] for c in configs}
+    splits = launch_many(2, [(tmp_path / f"split-{name}", a) for name, a in args.items()])
+    singles = launch_many(1, [(tmp_path / f"single-{name}", a) for name, a in args.items()])
+    for name, split, (single,) in zip(args, splits, singles):
+        _assert_same_training(split, single)
+        _assert_eta_follows_lr(split[0])
+        if "--distnorm-bnp" in args[name]:
+            assert any(k.endswith("bnp_var") for k in split[0]["buffers"])
+
+
+#: test_resume_in_fresh_processes_equals_uninterrupted: Accelerate; DeepSpeed ZeRO-1 and
+#: ZeRO-3 in the same launches.
+RESUME = {"accelerate": [CONFIGS[0]], "deepspeed-zero1-zero3": [CONFIGS[3], CONFIGS[5]]}
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("engine_args", [CONFIGS[0], CONFIGS[3], CONFIGS[5]])
-def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine_args):
-    args = [*engine_args, "--distnorm", "cbn", "--distnorm-bnp", "--steps", "6", "--ckpt", str(tmp_path / "ckpt")]
-    full = launch(2, tmp_path / "full", *args)
-    launch(2, tmp_path / "first", *args, "--save-at", "3")
-    resumed = launch(2, tmp_path / "resumed", *args, "--save-at", "3", "--resume")
+@pytest.mark.parametrize("engine", list(RESUME))
+def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine):
+    """Save at step 3, resume in fresh processes: the same losses, LRs and final state as the
+    uninterrupted run. The uninterrupted run and the first part share a launch (neither
+    needs fresh processes); the resumed part is a launch of its own."""
+    configs = RESUME[engine]
+    full, first, resumed = [], [], []
+    for i, config in enumerate(configs):
+        args = [*config.values[0], "--distnorm", "cbn", "--distnorm-bnp", "--steps", "6",
+                "--ckpt", str(tmp_path / f"ckpt{i}")]
+        full.append((tmp_path / f"full{i}", args))
+        first.append((tmp_path / f"first{i}", [*args, "--save-at", "3"]))
+        resumed.append((tmp_path / f"resumed{i}", [*args, "--save-at", "3", "--resume"]))
+    records = launch_many(2, [*full, *first])
+    for full_run, resumed_run in zip(records[:len(configs)], launch_many(2, resumed)):
+        _assert_resumed_equals_full(full_run, resumed_run)
+
+
+def _assert_resumed_equals_full(full: list[dict], resumed: list[dict]) -> None:
     for a, b in zip(full, resumed):
         assert b["first_step"] == 3
         torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"][3:]), **TOL)
@@ -260,10 +301,10 @@ def test_examples_run_under_torchrun(tmp_path, script, extra):
 @pytest.mark.parametrize("engine_args", [CONFIGS[0], CONFIGS[3]])
 def test_off_is_off(tmp_path, engine_args):
     """Bug caught: with the plugin lines but no --distnorm flag, prepare() still turned DDP's
-    buffer broadcast off, so plain BatchNorm running statistics drifted apart per rank."""
+    buffer broadcast off, so plain BatchNorm running statistics drifted apart per rank.
+    One launch, the run without the plugin first: nothing the plugin does can reach it."""
     args = [*engine_args, "--steps", "4"]
-    with_lines = launch(2, tmp_path / "with", *args)
-    without = launch(2, tmp_path / "without", *args, "--no-plugin")
+    without, with_lines = launch_many(2, [(tmp_path / "without", [*args, "--no-plugin"]), (tmp_path / "with", args)])
     for a, b in zip(with_lines, without):
         assert a["losses"] == b["losses"]
         for kind in ("params", "buffers"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,14 +144,28 @@ def test_mismatch_is_detected_before_the_first_training_collective(tmp_path, dig
     assert not (run / "metrics.jsonl").exists()
 
 
+_CHECKPOINTED = ("output.checkpoint_every_steps=4", "output.keep_last=2")
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(digits, tmp_path_factory) -> Path:
+    """A 2-rank run of 8 steps with checkpoints at steps 4 and 8, trained once and copied by
+    each test that resumes from it (the corrupt-checkpoint and world-size tests)."""
+    tmp = tmp_path_factory.mktemp("two_rank_run")
+    run = tmp / "run"
+    assert _finish(_start(2, lambda r: [*_overrides(digits, run, *_CHECKPOINTED), "train.max_steps=8"], tmp),
+                   timeout=300) == [0, 0]
+    return run
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, digits, damage):
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, digits, damage, two_rank_run):
     """Bug caught (flipped byte): verification that compares sizes but skips the SHA-256
     resumes from the damaged checkpoint."""
     run = tmp_path / "run"
-    base = _overrides(digits, run, "output.checkpoint_every_steps=4", "output.keep_last=2")
-    assert _finish(_start(2, lambda r: [*base, "train.max_steps=8"], tmp_path), timeout=300) == [0, 0]
+    shutil.copytree(two_rank_run, run)
+    base = _overrides(digits, run, *_CHECKPOINTED)
     ckpts = run / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_000000008"
     victim = max((ckpts / "step_000000008").rglob("*.safetensors"), key=lambda p: p.stat().st_size)
@@ -221,12 +236,11 @@ def test_non_finite_loss_stops_every_rank_naming_the_step_and_layer(tmp_path, di
 
 
 @pytest.mark.timeout(600)
-def test_resume_with_another_world_size_is_refused(tmp_path, digits):
+def test_resume_with_another_world_size_is_refused(tmp_path, digits, two_rank_run):
     run = tmp_path / "run"
-    base = _overrides(digits, run, "output.checkpoint_every_steps=4")
-    assert _finish(_start(2, lambda r: [*base, "train.max_steps=4"], tmp_path), timeout=300) == [0, 0]
-    (tmp_path / "trace.0").unlink()
-    codes = _finish(_start(1, lambda r: [*base, "train.max_steps=8"], tmp_path), timeout=300)
+    shutil.copytree(two_rank_run, run)  # checkpoints written by 2 processes
+    base = _overrides(digits, run, *_CHECKPOINTED)
+    codes = _finish(_start(1, lambda r: [*base, "train.max_steps=10"], tmp_path), timeout=300)
     err = (tmp_path / "err0.txt").read_text()
     print(f"FIGURE world-size resume: exit {codes} — " + [l for l in err.splitlines() if "written by" in l][-1][:200])
     assert codes == [2] and "written by 2 process(es) but this run has 1" in err

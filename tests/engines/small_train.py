@@ -4,6 +4,11 @@ Launched by tests/test_integrations.py with torchrun (2 ranks on split batches, 
 the whole batch as the reference). Every rank writes what it saw to ``{out}.rank{r}.pt``:
 losses, the learning rate the optimizer applied and AMAT's eta at every step, final
 parameters, buffers and optimizer state.
+
+Several trainings can share one launch: argument lists separated by ``--then`` run one after
+the other in the same processes and process group (each with its own ``--out``, model,
+optimizer and engine). A launch costs seconds of start-up (torchrun, ``import torch``,
+``import deepspeed``, rendezvous); one of these trainings costs milliseconds.
 """
 
 from __future__ import annotations
@@ -39,7 +44,23 @@ def warmup_decay(step: int) -> float:
     return (0.2 + 0.8 * step / 3) if step < 3 else 0.7 ** (step - 3)
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """Run each ``--then``-separated argument list in turn; the worst exit code."""
+    segments: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            segments.append([])
+        else:
+            segments[-1].append(arg)
+    code = max([run_one(segment) for segment in segments])
+    # Leave no communication thread running at interpreter exit (a joinable C++ thread
+    # destroyed at exit aborts the process).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return code
+
+
+def run_one(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--engine", choices=("accelerate", "deepspeed"), required=True)
     p.add_argument("--zero", type=int, default=0)
@@ -52,7 +73,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--no-plugin", action="store_true", help="the script without distnorm's lines (reference)")
     distnorm.add_arguments(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg = distnorm.DistNormConfig.from_args(args)
     try:
         result = (run_accelerate if args.engine == "accelerate" else run_deepspeed)(args, cfg)
@@ -61,10 +82,6 @@ def main() -> int:
         result, code = {"error": str(err)}, 3
     rank = int(os.environ.get("RANK", 0))
     torch.save(result, f"{args.out}.rank{rank}.pt")
-    # Leave no communication thread running at interpreter exit (a joinable C++ thread
-    # destroyed at exit aborts the process).
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
     return code
 
 
@@ -185,7 +202,7 @@ def run_deepspeed(args, cfg) -> dict:
 
 
 if __name__ == "__main__":
-    exit_code = main()
+    exit_code = main(sys.argv[1:])
     # Leave without interpreter teardown. In a few full-suite runs one DeepSpeed rank
     # aborted with "terminate called without an active exception" (a C++ thread destroyed
     # while joinable); whether at teardown or earlier was not established and could not be
