@@ -21,18 +21,15 @@ import torch
 from torch import nn
 
 import distnorm
+from tests.engines.small_train import NUM_CLASSES
+from tests.engines.small_train import make_model as base_model
 
-NUM_CLASSES = 5
 LR = 0.05
 
 
 def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.Tanh(),
-        nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.Tanh(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, NUM_CLASSES),
-    ).double()
+    """small_train's CNN (the engines' tests share it), in float64."""
+    return base_model().double()
 
 
 def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
