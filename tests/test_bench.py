@@ -79,9 +79,15 @@ def test_bench_bnp_quick(tmp_path):
 @pytest.mark.timeout(600)
 def test_bench_data_quick(tmp_path):
     result = _run("data.py", tmp_path)
-    assert set(result["ratios"]) == {"wds_vs_imagefolder_1worker", "wds_vs_imagefolder_2workers"}
+    assert set(result["ratios"]) == {f"{a}_{w}" for a in ("wds_vs_imagefolder", "wds_vs_imagefolder_preset",
+                                                         "reduced_vs_full_decode") for w in ("1worker", "2workers")}
     _sane(result["ratios"])
     assert result["images_per_pass"]["wds_1"] == result["images_per_pass"]["imagefolder_1"]
+    assert result["same_tensors_as_torchvision_compose"] is True
+    assert set(result["decode_only_images_per_second_1_core"]) == {"pil", "torchvision_io"}
+    assert 0 < result["loader_1worker_fraction_of_pil_decode"] < 1.5
+    profile = result["profile_fraction_0_workers"]
+    assert set(profile) == {"decode", "geometry", "normalization", "tar", "rest"} and profile["decode"] > 0
 
 
 @pytest.mark.timeout(900)

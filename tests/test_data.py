@@ -349,3 +349,83 @@ def test_shards_mix_classes_from_the_first_batch(tmp_path, caplog):
         biased = _distinct_classes_per_batch(str(tmp_path / "sorted"), plain, batches=5)
     assert len(biased) == 5 and sum(biased) / 5 < 0.6 * iid
     assert "look written in class order" in caplog.text
+
+
+# ------------------------------------------------------------------------ transforms
+def _jpeg(height: int, width: int, seed: int = 0, mode: str = "RGB") -> bytes:
+    rng = np.random.default_rng(seed)
+    image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("preset,size", [("imagenet", 224), ("cifar", 32), ("digits", 16)])
+def test_preset_transforms_equal_torchvision_compose_bit_for_bit(preset, size):
+    """Bugs caught: batch normalization rounding differently from ToTensor + Normalize (one
+    fused multiply-add, or mean / std in float64); the geometry drawing its random numbers in
+    another order; a grayscale JPEG left with one channel."""
+    from torchvision import transforms as T
+
+    images = [_jpeg(375, 500, 0), _jpeg(500, 333, 1), _jpeg(40, 48, 2), _jpeg(300, 400, 3, mode="L")]
+    for train in (True, False):
+        transform = D.build_transform(preset, train=train, image_size=size)
+        compose = T.Compose([*transform.geometry, T.ToTensor(), T.Normalize(transform.mean, transform.std)])
+        expected, rows = [], []
+        for seed, data in enumerate(images):
+            torch.manual_seed(seed)
+            with Image.open(io.BytesIO(data)) as image:
+                expected.append(compose(image.convert("RGB")))
+            torch.manual_seed(seed)
+            rows.append(transform.pixels(data))
+        assert torch.equal(transform.batch(rows), torch.stack(expected)), (preset, train)
+        torch.manual_seed(0)
+        with Image.open(io.BytesIO(images[0])) as image:
+            assert torch.equal(transform(image), expected[0])  # the one-image call too
+
+
+def test_reduced_decode_decodes_smaller_and_keeps_the_crop():
+    """Bugs caught: a reduction that leaves the crop smaller than the output (upsampling), the
+    crop drawn on the reduced image (another crop than without reduction), no reduction at all."""
+    from torchvision import transforms as T
+
+    big = _jpeg(1200, 1600)
+    full = D.build_transform("imagenet", train=False, image_size=224)
+    reduced = D.build_transform("imagenet", train=False, image_size=224, reduced_decode=True)
+    image, _ = reduced._decode_reduced(big)
+    assert image.size == (400, 300)  # 1/4: the short side 300 >= 256, 1/8 would give 150
+    a, b = full.pixels(big).astype(float), reduced.pixels(big).astype(float)
+    assert a.shape == b.shape == (224, 224, 3) and np.abs(a - b).mean() < 8  # noise image: the worst case
+
+    train_full = D.build_transform("imagenet", train=True, image_size=224)
+    train_reduced = D.build_transform("imagenet", train=True, image_size=224, reduced_decode=True)
+    for seed in range(6):
+        torch.manual_seed(seed)
+        top, left, h, w = T.RandomResizedCrop.get_params(Image.open(io.BytesIO(big)), (0.08, 1.0), (3 / 4, 4 / 3))
+        torch.manual_seed(seed)
+        image, steps = train_reduced._decode_reduced(big)
+        factor = 1600 // image.size[0]
+        assert min(h, w) / factor >= 224 and (factor == 8 or min(h, w) / (2 * factor) < 224), (h, w, factor)
+        assert len(steps) == 2  # the drawn crop, then the flip
+        torch.manual_seed(seed)
+        a = train_full.pixels(big).astype(float)
+        torch.manual_seed(seed)
+        b = train_reduced.pixels(big).astype(float)
+        assert np.abs(a - b).mean() < 8, seed  # the same crop (another crop differs by ~60 here)
+    small = _jpeg(300, 400)  # ImageNet-sized: nothing to reduce, the same pixels
+    torch.manual_seed(0)
+    a = train_full.pixels(small)
+    torch.manual_seed(0)
+    assert np.array_equal(a, train_reduced.pixels(small))
+
+
+def test_shards_have_no_pax_headers(tmp_path):
+    """Bug caught: a float mtime in the writer adds a PAX header to every member, which
+    doubled the cost of reading the shards (Python's tarfile parses each header)."""
+    import tarfile
+
+    source = D.SyntheticSource(num_samples=4, num_classes=2, image_size=16)
+    D.write_shards(source, str(tmp_path / "s"), maxcount=4, progress=False)
+    with tarfile.open(next(tmp_path.glob("s-*.tar"))) as tar:
+        members = tar.getmembers()
+    assert len(members) == 8 and all(not m.pax_headers for m in members)

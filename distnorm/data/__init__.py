@@ -4,6 +4,7 @@
 * :mod:`distnorm.data.sources` — ImageFolder, torchvision datasets, digits demo, synthetic;
 * :mod:`distnorm.data.loaders` — :class:`TrainLoader` (equal-length epochs on every rank)
   and :class:`EvalLoader` (every validation sample exactly once);
+* :mod:`distnorm.data.transforms` — the recipes' transforms, normalized per batch;
 * :func:`evaluate` — top-1 / top-5 / loss reduced across ranks.
 
 Names are imported lazily (so ``python -m distnorm.data.shards`` and ``import
@@ -19,7 +20,8 @@ _EXPORTS = {
     "evaluate": "evaluation",
     "ShardIndex": "index", "ShardInfo": "index", "index_path": "index",
     "TrainLoader": "loaders", "EvalLoader": "loaders", "DataError": "loaders",
-    "build_transform": "loaders", "expand_urls": "loaders", "TRANSFORM_PRESETS": "loaders",
+    "expand_urls": "loaders",
+    "build_transform": "transforms", "ImageTransform": "transforms", "TRANSFORM_PRESETS": "transforms",
     "write_shards": "shards", "plan_shards": "shards",
     "DatasetSource": "sources", "DigitsSource": "sources", "ImageFolderSource": "sources",
     "SyntheticSource": "sources",

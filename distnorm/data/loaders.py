@@ -26,6 +26,7 @@ counted, and reported at the end of the epoch (``loader.skipped``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import logging
@@ -39,6 +40,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distnorm.data.index import ShardIndex
+from distnorm.data.transforms import TRANSFORM_PRESETS, ImageTransform, batch_tensor, build_transform
 
 __all__ = [
     "DataError",
@@ -51,9 +53,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-TRANSFORM_PRESETS = ("imagenet", "cifar", "digits")
 MAX_CONSECUTIVE_ERRORS = 100
 
 
@@ -86,31 +85,6 @@ def expand_urls(shards: str | Sequence[str]) -> list[str]:
     if not urls:
         raise ValueError("no shard URLs given")
     return urls
-
-
-def build_transform(preset: str, *, train: bool, image_size: int) -> Callable[[Image.Image], torch.Tensor]:
-    """The image transform of a recipe.
-
-    ``imagenet``: train = RandomResizedCrop + horizontal flip (pytorch/examples imagenet),
-    eval = resize to 256/224 of the size + center crop. ``cifar``: train = 4-pixel padded
-    random crop + flip. ``digits``: 2-pixel padded random crop, no flip (digits are not
-    mirror-symmetric). All end with ToTensor and per-channel normalization.
-    """
-    from torchvision import transforms as T
-
-    if preset == "imagenet":
-        aug = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()] if train else [
-            T.Resize(int(round(image_size * 256 / 224))), T.CenterCrop(image_size)]
-        norm = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
-    elif preset == "cifar":
-        aug = [T.RandomCrop(image_size, padding=4), T.RandomHorizontalFlip()] if train else [T.Resize(image_size), T.CenterCrop(image_size)]
-        norm = T.Normalize(CIFAR_MEAN, CIFAR_STD)
-    elif preset == "digits":
-        aug = [T.RandomCrop(image_size, padding=2)] if train else [T.Resize(image_size), T.CenterCrop(image_size)]
-        norm = T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
-    else:
-        raise ValueError(f"unknown transform preset {preset!r}; choose one of {TRANSFORM_PRESETS}")
-    return T.Compose([*aug, T.ToTensor(), norm])
 
 
 @dataclass
@@ -179,23 +153,35 @@ class _ClassOrderWatch:
 
 
 def _decode(sample: dict, transform: Callable, log: _ErrorLog):
-    """``(tensor, label, key)`` or ``None`` (recorded in ``log``) for one raw sample."""
+    """``(image, label, key)`` or ``None`` (recorded in ``log``) for one raw sample.
+
+    ``image`` is an :class:`ImageTransform`'s ``uint8`` pixels (normalized per batch by
+    :func:`_collate`), or what another transform returns for the PIL image.
+    """
     key, url = sample.get("__key__", "?"), sample.get("__url__", "?")
     try:
         if "jpg" not in sample or "cls" not in sample:
             raise KeyError(f"expected .jpg and .cls members, found {sorted(k for k in sample if not k.startswith('__'))}")
         label = int(sample["cls"])
-        with Image.open(io.BytesIO(sample["jpg"])) as image:
-            tensor = transform(image.convert("RGB"))
+        if isinstance(transform, ImageTransform):
+            image = transform.pixels(sample["jpg"])
+        else:
+            with Image.open(io.BytesIO(sample["jpg"])) as pil:
+                image = transform(pil.convert("RGB"))
     except Exception as err:  # noqa: BLE001 - reported with shard and key
         log.failure(f"shard {url} sample {key}", err)
         return None
     log.success()
-    return tensor, label, key
+    return image, label, key
 
 
-def _collate(rows: list[tuple]) -> tuple:
-    images = torch.stack([r[0] for r in rows])
+def _collate(transform: Callable, rows: list[tuple]) -> tuple:
+    """``(images, labels, mask, keys)``; images in shared memory inside a worker."""
+    if isinstance(transform, ImageTransform):
+        images = transform.batch([r[0] for r in rows])
+    else:
+        first = rows[0][0]
+        images = torch.stack([r[0] for r in rows], out=batch_tensor((len(rows), *first.shape), first.dtype))
     labels = torch.tensor([r[1] for r in rows], dtype=torch.long)
     mask = torch.tensor([r[2] for r in rows], dtype=torch.bool)
     return images, labels, mask, [r[3] for r in rows]
@@ -283,7 +269,7 @@ class _TrainStream(IterableDataset):
             wds.shuffle(self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000), seed=role_seed),
             skip_raw,
             decode,
-            wds.batched(self.batch_size, collation_fn=_collate, partial=False),
+            wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform), partial=False),
         )
         for batch in pipeline:
             yield (*batch, *log.drain())
@@ -340,8 +326,11 @@ class TrainLoader(_LoaderBase):
         num_workers, prefetch_factor, pin_memory: DataLoader settings (``pin_memory``
             defaults to whether CUDA is available).
         shuffle_buffer: samples in each worker's shuffle buffer.
-        transform: a preset name (:data:`TRANSFORM_PRESETS`) or a callable on PIL images.
+        transform: a preset name (:data:`TRANSFORM_PRESETS`), an
+            :class:`~distnorm.data.transforms.ImageTransform`, or any callable on PIL images.
         image_size: output side for presets.
+        reduced_decode: presets only: decode JPEGs at 1/2, 1/4 or 1/8 size where the crop
+            allows it (:mod:`distnorm.data.transforms`).
         on_error: ``"raise"`` or ``"skip"``.
         return_keys: also yield the sample keys (for debugging and tests).
 
@@ -376,6 +365,7 @@ class TrainLoader(_LoaderBase):
         shuffle_buffer: int = 5000,
         transform: str | Callable = "imagenet",
         image_size: int = 224,
+        reduced_decode: bool = False,
         on_error: str = "raise",
         return_keys: bool = False,
     ):
@@ -388,7 +378,8 @@ class TrainLoader(_LoaderBase):
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
         self.skip_batches = 0
         self.shuffle_buffer, self.on_error, self.return_keys = shuffle_buffer, on_error, return_keys
-        self.transform = build_transform(transform, train=True, image_size=image_size) if isinstance(transform, str) else transform
+        self.transform = build_transform(transform, train=True, image_size=image_size, reduced_decode=reduced_decode) \
+            if isinstance(transform, str) else transform
 
     def __len__(self) -> int:
         """Batches per epoch, identical on every rank: ``ceil(num_samples / global batch)``."""
@@ -450,7 +441,7 @@ class _EvalStream(IterableDataset):
                 wds.SimpleShardList(urls),
                 wds.tarfile_to_samples(handler=log.tar_handler),
                 decode,
-                wds.batched(self.batch_size, collation_fn=_collate, partial=True),
+                wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform), partial=True),
             )
             for batch in pipeline:
                 produced += 1
@@ -463,7 +454,7 @@ class _EvalStream(IterableDataset):
         # worker 0 the batches this rank lacks to match the longest rank.
         pad = self.planned[worker] - produced + (self.extra if worker == 0 else 0)
         for _ in range(pad):
-            yield (*_collate([self._placeholder_row()]), *log.drain())
+            yield (*_collate(self.transform, [self._placeholder_row()]), *log.drain())
 
 
 class EvalLoader(_LoaderBase):
@@ -476,6 +467,7 @@ class EvalLoader(_LoaderBase):
         rank, world_size: data-parallel coordinates.
         num_workers, prefetch_factor, pin_memory: DataLoader settings.
         transform: preset name or callable; ``image_size`` its output side.
+        reduced_decode: presets only: decode JPEGs at a reduced size where the resize allows it.
         on_error: ``"raise"`` or ``"skip"`` (bad samples become masked placeholders).
     """
 
@@ -492,6 +484,7 @@ class EvalLoader(_LoaderBase):
         pin_memory: bool | None = None,
         transform: str | Callable = "imagenet",
         image_size: int = 224,
+        reduced_decode: bool = False,
         on_error: str = "raise",
     ):
         super().__init__(num_workers, prefetch_factor, pin_memory)
@@ -500,7 +493,8 @@ class EvalLoader(_LoaderBase):
         self.urls = expand_urls(shards)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.on_error, self.image_size = on_error, image_size
-        self.transform = build_transform(transform, train=False, image_size=image_size) if isinstance(transform, str) else transform
+        self.transform = build_transform(transform, train=False, image_size=image_size, reduced_decode=reduced_decode) \
+            if isinstance(transform, str) else transform
         workers = max(num_workers, 1)
         counts = [self.index.count_for(u) for u in self.urls]
 

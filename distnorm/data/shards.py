@@ -49,7 +49,7 @@ from distnorm.data.sources import (
 __all__ = ["plan_shards", "sample_order", "write_shards", "shard_name", "main"]
 
 TAR_BLOCK = 512
-FIXED_MTIME = 0.0  # reproducible tar headers
+FIXED_MTIME = 0  # reproducible tar headers; an int: a float mtime costs a PAX header per member
 
 
 def _wds():

@@ -24,6 +24,7 @@ __all__ = [
     "DatasetSource",
     "DigitsSource",
     "SyntheticSource",
+    "IMAGENET_SHAPES",
     "encode_jpeg",
     "is_jpeg",
 ]
@@ -202,16 +203,31 @@ def _load_digits():
     return _DIGITS
 
 
+#: A cycle of the frame shapes common in ImageNet-1k's training set (height, width): mostly
+#: 500 px on the long side, landscape 4:3 and 3:2 most often, some portrait and square, some
+#: smaller; their mean is 380 x 443 (ImageNet's is about 400 x 350 with a long tail of larger
+#: images, which reduced-size decoding would help more).
+IMAGENET_SHAPES: tuple[tuple[int, int], ...] = (
+    (375, 500), (333, 500), (500, 375), (500, 333), (375, 500),
+    (281, 500), (500, 500), (300, 400), (240, 320), (400, 500),
+)
+
+
 @dataclass
 class SyntheticSource(_EncodedSizeMixin):
     """ImageNet-shaped synthetic images with class-dependent patterns, for pipeline tests
     and throughput runs: class ``c`` is an oriented grating whose angle, frequency and tint
-    depend on ``c``, plus per-image noise. Deterministic in ``(seed, index)``."""
+    depend on ``c``, plus per-image noise. Deterministic in ``(seed, index)``.
+
+    Images are ``image_size`` squares, or, given ``shapes``, image ``i`` is
+    ``shapes[i % len(shapes)]`` (height, width) — e.g. :data:`IMAGENET_SHAPES`.
+    """
 
     num_samples: int
     num_classes: int = 1000
     image_size: int = 224
     seed: int = 0
+    shapes: tuple[tuple[int, int], ...] | None = None
     classes: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -231,12 +247,13 @@ class SyntheticSource(_EncodedSizeMixin):
     def jpeg(self, index: int) -> bytes:
         c = self.label(index)
         rng = np.random.default_rng([self.seed, index])
-        n = self.image_size
-        yy, xx = np.mgrid[0:n, 0:n] / n
+        h, w = self.shapes[index % len(self.shapes)] if self.shapes else (self.image_size, self.image_size)
+        n = max(h, w)
+        yy, xx = np.mgrid[0:h, 0:w] / n
         angle = np.pi * (c * 0.61803398875 % 1.0)
         freq = 2.0 + (c % 7) * 1.5
         phase = rng.uniform(0, 2 * np.pi)
         wave = np.sin(2 * np.pi * freq * (np.cos(angle) * xx + np.sin(angle) * yy) + phase)
         tint = np.array([(c * 37) % 255, (c * 91) % 255, (c * 53) % 255]) / 255.0
-        image = 0.5 + 0.35 * wave[..., None] * (0.5 + tint) + rng.normal(0, 0.08, (n, n, 3))
+        image = 0.5 + 0.35 * wave[..., None] * (0.5 + tint) + rng.normal(0, 0.08, (h, w, 3))
         return encode_jpeg((np.clip(image, 0, 1) * 255).astype(np.uint8))

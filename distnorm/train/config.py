@@ -28,7 +28,7 @@ import yaml
 
 from distnorm import models
 from distnorm.config import DistNormConfig
-from distnorm.data.loaders import TRANSFORM_PRESETS
+from distnorm.data.transforms import TRANSFORM_PRESETS
 from distnorm.settings import (
     Section,
     boolean,
@@ -78,6 +78,8 @@ class DataConfig(Section):
     val_index: str | None = param(None, "index file of the evaluation shards")
     transform: str = param("imagenet", "augmentation preset", one_of(*TRANSFORM_PRESETS))
     image_size: int = param(224, "training crop size", positive_int)
+    reduced_decode: bool = param(False, "decode JPEGs at 1/2, 1/4 or 1/8 size where the crop or resize shrinks "
+                                        "them at least that much (libjpeg DCT scaling; pixels differ slightly)", boolean)
     num_workers: int = param(8, "DataLoader workers per rank (training)", non_negative_int)
     eval_workers: int = param(4, "DataLoader workers per rank (evaluation)", non_negative_int)
     prefetch_factor: int = param(2, "batches each worker loads ahead", positive_int)

@@ -1,0 +1,210 @@
+"""The recipes' image transforms, split where a loader can do better than one image at a time.
+
+A preset (:func:`build_transform`) is torchvision's ``Compose([*geometry, ToTensor(),
+Normalize(mean, std)])``, written as an :class:`ImageTransform` with two stages:
+
+geometry (per image, PIL)
+    crops, resizes and flips on the decoded image: ``uint8`` pixels out, the same random
+    draws as torchvision's transforms.
+normalization (per batch)
+    ``x = (p / 255 - mean[c]) / std[c]`` in float32, written straight into the batch tensor
+    (in shared memory inside a DataLoader worker, as ``default_collate`` does). The same
+    three float32 operations as ``ToTensor`` + ``Normalize``, so the values are bit for bit
+    those of the ``Compose``, without its four temporary tensors per image.
+
+Calling an :class:`ImageTransform` on one PIL image gives exactly the ``Compose``'s tensor.
+
+**Reduced-size decoding** (``reduced_decode=True``, opt-in): when the geometry shrinks the
+image anyway, libjpeg decodes it at 1/2, 1/4 or 1/8 of its size (DCT scaling, PIL's
+``Image.draft``), never below what the output needs: for ``RandomResizedCrop`` the crop is
+drawn on the full-size image first (the same draw), then decoded at the largest reduction
+that keeps the crop at least as large as the output; for ``Resize`` the short side stays at
+least the target. Pixels differ slightly from a full decode (a DCT-domain downscale before
+the bilinear one), which is why it is a setting. Images too small for a reduction decode as
+before.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+__all__ = ["ImageTransform", "build_transform", "TRANSFORM_PRESETS", "IMAGENET_MEAN", "IMAGENET_STD"]
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+TRANSFORM_PRESETS = ("imagenet", "cifar", "digits")
+_DCT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes at, largest first
+
+
+class ImageTransform:
+    """Per-image geometry on PIL images, then per-channel normalization (see the module docs).
+
+    Args:
+        geometry: torchvision transforms on PIL images (crop, resize, flip), applied in order.
+        mean, std: per-channel normalization of ``p / 255``.
+        reduced_decode: decode JPEGs at a reduced size where the geometry allows it.
+    """
+
+    def __init__(self, geometry: Sequence[Callable], mean: Sequence[float], std: Sequence[float], *,
+                 reduced_decode: bool = False):
+        self.geometry = list(geometry)
+        self.mean, self.std = tuple(mean), tuple(std)
+        self.reduced_decode = reduced_decode
+        # torchvision's Normalize makes these from the tuples in the input's dtype: float32.
+        self._mean = torch.tensor(self.mean, dtype=torch.float32).view(-1, 1, 1)
+        self._std = torch.tensor(self.std, dtype=torch.float32).view(-1, 1, 1)
+
+    def __repr__(self) -> str:
+        steps = ", ".join(repr(g) for g in self.geometry)
+        return (f"ImageTransform([{steps}], mean={self.mean}, std={self.std}"
+                f"{', reduced_decode=True' if self.reduced_decode else ''})")
+
+    # ------------------------------------------------------------------ one image
+    def decode(self, data: bytes) -> Image.Image:
+        """The RGB image of an encoded file, decoded at a reduced size where allowed.
+
+        Geometry that needs the full-size image to draw its parameters (RandomResizedCrop)
+        is applied by :meth:`pixels`; this only opens and decodes.
+        """
+        return self._loaded(Image.open(io.BytesIO(data)))
+
+    def pixels(self, data: bytes | Image.Image) -> np.ndarray:
+        """``uint8`` pixels ``(H, W, 3)`` after the geometry, from encoded bytes or an image."""
+        if isinstance(data, Image.Image):
+            image, steps = data.convert("RGB") if data.mode != "RGB" else data, self.geometry
+        elif self.reduced_decode:
+            image, steps = self._decode_reduced(data)
+        else:
+            image, steps = self.decode(data), self.geometry
+        for step in steps:
+            image = step(image)
+        return np.array(image, dtype=np.uint8)  # a writable copy, as ToTensor takes
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        """The ``(3, H, W)`` float32 tensor torchvision's ``Compose`` gives for ``image``."""
+        pixels = self.pixels(image)
+        out = torch.empty((3, *pixels.shape[:2]), dtype=torch.float32)
+        self._normalize_into(out, pixels)
+        return out
+
+    # ------------------------------------------------------------------ batches
+    def batch(self, rows: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
+        """``(B, 3, H, W)`` float32 from :meth:`pixels` rows (or ready ``(3, H, W)`` tensors:
+        placeholders), in shared memory inside a DataLoader worker."""
+        first = rows[0]
+        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (first.shape[2], *first.shape[:2])
+        out = batch_tensor((len(rows), *shape), torch.float32)
+        for target, row in zip(out, rows):
+            if isinstance(row, torch.Tensor):
+                target.copy_(row)
+            else:
+                self._normalize_into(target, row)
+        return out
+
+    def _normalize_into(self, out: torch.Tensor, pixels: np.ndarray) -> None:
+        # ToTensor: float32(p) / 255; Normalize: (x - mean) / std — the same three roundings.
+        # One image at a time: the four passes run on a slice that stays in the cache.
+        out.copy_(torch.from_numpy(pixels).permute(2, 0, 1))
+        out.div_(255).sub_(self._mean).div_(self._std)
+
+    # ------------------------------------------------------------ reduced decoding
+    def _decode_reduced(self, data: bytes) -> tuple[Image.Image, list[Callable]]:
+        """Open lazily, pick the reduction from the first geometry step, decode; returns the
+        decoded image and the geometry still to apply (a drawn crop replaces RandomResizedCrop)."""
+        from torchvision import transforms as T
+        from torchvision.transforms import functional as F
+
+        image = Image.open(io.BytesIO(data))
+        first, rest = (self.geometry[0], self.geometry[1:]) if self.geometry else (None, [])
+        if image.format != "JPEG" or first is None:
+            return self._loaded(image), self.geometry
+        width, height = image.size
+        if isinstance(first, T.RandomResizedCrop):
+            # The crop is drawn on the full-size image (the same draw as without reduction).
+            top, left, h, w = T.RandomResizedCrop.get_params(image, first.scale, first.ratio)
+            out_h, out_w = _pair(first.size)
+            factor = _reduction(min(h / out_h, w / out_w))
+            if factor > 1:
+                image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
+            image = self._loaded(image)
+            if factor == 1:  # exactly what RandomResizedCrop does with this draw
+                crop = functools.partial(F.resized_crop, top=top, left=left, height=h, width=w, size=[out_h, out_w],
+                                         interpolation=first.interpolation, antialias=first.antialias)
+            else:  # the same box on the reduced image (fractional coordinates)
+                sx, sy = image.size[0] / width, image.size[1] / height
+                crop = functools.partial(Image.Image.resize, size=(out_w, out_h),
+                                         resample=_pil_filter(first.interpolation),
+                                         box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+            return image, [crop, *rest]
+        if isinstance(first, T.Resize) and isinstance(first.size, int):
+            factor = _reduction(min(width, height) / first.size)
+            if factor > 1:
+                image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
+        return self._loaded(image), self.geometry
+
+    @staticmethod
+    def _loaded(image: Image.Image) -> Image.Image:
+        image.load()
+        return image if image.mode == "RGB" else image.convert("RGB")  # convert() of RGB is a copy
+
+
+def _pair(size: int | Sequence[int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (size[0], size[-1])
+
+
+def _reduction(room: float) -> int:
+    """The largest libjpeg reduction ``k`` with ``room / k >= 1`` (1 if none)."""
+    return next((k for k in _DCT_SCALES if room >= k), 1)
+
+
+def _pil_filter(interpolation) -> int:
+    from torchvision.transforms.functional import pil_modes_mapping
+
+    return pil_modes_mapping[interpolation]
+
+
+def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor, in shared memory when built inside a DataLoader worker.
+
+    A batch a worker returns travels to the main process through shared memory; built there
+    from the start, it is not copied into it when sent (what ``default_collate`` does too).
+    """
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = math.prod(shape)
+    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def build_transform(preset: str, *, train: bool, image_size: int, reduced_decode: bool = False) -> ImageTransform:
+    """The image transform of a recipe.
+
+    ``imagenet``: train = RandomResizedCrop + horizontal flip (pytorch/examples imagenet),
+    eval = resize to 256/224 of the size + center crop. ``cifar``: train = 4-pixel padded
+    random crop + flip. ``digits``: 2-pixel padded random crop, no flip (digits are not
+    mirror-symmetric). All end with ToTensor and per-channel normalization; the result is an
+    :class:`ImageTransform` (``reduced_decode``: see the module docs).
+    """
+    from torchvision import transforms as T
+
+    if preset == "imagenet":
+        geometry = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()] if train else [
+            T.Resize(int(round(image_size * 256 / 224))), T.CenterCrop(image_size)]
+        mean, std = IMAGENET_MEAN, IMAGENET_STD
+    elif preset == "cifar":
+        geometry = [T.RandomCrop(image_size, padding=4), T.RandomHorizontalFlip()] if train else [
+            T.Resize(image_size), T.CenterCrop(image_size)]
+        mean, std = CIFAR_MEAN, CIFAR_STD
+    elif preset == "digits":
+        geometry = [T.RandomCrop(image_size, padding=2)] if train else [T.Resize(image_size), T.CenterCrop(image_size)]
+        mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    else:
+        raise ValueError(f"unknown transform preset {preset!r}; choose one of {TRANSFORM_PRESETS}")
+    return ImageTransform(geometry, mean, std, reduced_decode=reduced_decode)
