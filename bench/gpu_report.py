@@ -16,6 +16,8 @@ its own process:
 * **step**: ``bench/step_gpu.py``: ResNet-18 / ResNet-50 / EfficientNet-B0, 224 px, batch
   256, bf16, channels_last, SGD; local BN against distnorm's SyncBatchNorm, CBN, POP-Norm
   and GN + BNP, eager and compiled: step-time ratio, images/s, peak memory.
+* **decode**: ``bench/decode_gpu.py``: the data pipeline's ``decode_device: cuda`` path
+  (batched nvJPEG decode, crop, flip, normalize on the GPU) against PIL on one core.
 
 Without CUDA the benchmarks are marked "skipped: no CUDA device" (the tests skip their CUDA
 cases themselves, and say so), and the report is still written. Each part's ``status`` is
@@ -44,7 +46,7 @@ import torch
 from _common import REPO, machine, write_json
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("tests", "layers", "step")
+PARTS = ("tests", "layers", "step", "decode")
 TESTS = ["tests/test_cuda.py", "tests/test_gpu_paths.py", "tests/test_kernel_contracts.py"]
 #: Packages whose absence some tests skip over, or that the report should name.
 OPTIONAL = ("torchvision", "timm", "accelerate", "deepspeed", "webdataset", "triton", "pytest", "pytest_timeout")
@@ -207,6 +209,17 @@ def markdown(report: dict) -> str:
                                  f"{_gib(e['peak_memory_bytes'])} | {e['first_step_s']:.1f} |")
         lines += [f"* {mode} skipped: {why}" for mode, why in step["result"].get("skipped", {}).items()]
         lines.append("")
+    decode = report["parts"]["decode"]
+    lines += ["## JPEG decode + ImageNet transform (data.decode_device)", ""]
+    if decode["status"] != "ran":
+        lines += [f"{decode['status']}: {decode.get('reason', '')}", ""]
+    else:
+        r = decode["result"]
+        lines += [f"`{decode['command']}`: {r['images']} images, batch {r['batch_size']}, crop {r['crop']}; "
+                  f"mean |device - PIL| {r['mean_abs_diff_vs_pil']} (normalized units).", "",
+                  "| path | images/s | × PIL on 1 core |", "|---|---|---|"]
+        ips = r["images_per_second"]
+        lines += [f"| {name} | {ips[name]:.0f} | {ips[name] / ips['pil_1_core']:.2f} |" for name in ips] + [""]
     return "\n".join(lines)
 
 
@@ -227,6 +240,8 @@ def main(argv=None) -> int:
             print(f"{part}: skipped: {cuda['reason']}")
         elif part == "layers":
             parts[part] = run_benchmark("layers.py", args.layers_args, "--device", "cuda")
+        elif part == "decode":
+            parts[part] = run_benchmark("decode_gpu.py", "", "--device", "cuda")
         else:
             parts[part] = run_benchmark("step_gpu.py", args.step_args, "--device", "cuda")
     out = Path(args.out)

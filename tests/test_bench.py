@@ -174,7 +174,7 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
     assert tests["status"] == "ran" and tests["passed"] == tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 0
     assert sum(tests["skip_reasons"].values()) == tests["skipped"]
     assert all("CUDA" in reason for reason in tests["skip_reasons"])
-    for part in ("layers", "step"):
+    for part in ("layers", "step", "decode"):
         assert report["parts"][part] == {"status": "skipped", "reason": report["cuda"]["reason"]}
     md = (tmp_path / "report.md").read_text()
     assert f"skipped: {report['cuda']['reason']}" in md and "| 0 | 0 | 0 | " in md
@@ -196,7 +196,26 @@ def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
               "cuda": gpu_report.cuda_info(), "packages": {"deepspeed": None},
               "parts": {"tests": {"status": "failed", "command": "pytest", "wall_s": 1.0, **summary},
                         "layers": {"status": "skipped", "reason": "not asked for (--only)"},
-                        "step": {"status": "ran", "command": "python bench/step_gpu.py", "result": step_gpu_smoke}}}
+                        "step": {"status": "ran", "command": "python bench/step_gpu.py", "result": step_gpu_smoke},
+                        "decode": {"status": "skipped", "reason": "not asked for (--only)"}}}
     md = gpu_report.markdown(report)
     assert "Not installed: deepspeed" in md and "* FAILED `tests.test_cuda::c`: AssertionError: 1 != 2" in md
     assert "| resnet20 | local_bn | eager | " in md and "| resnet20 | bnp_gn | eager | " in md
+
+
+@pytest.mark.timeout(300)
+def test_bench_decode_quick(tmp_path, monkeypatch):
+    """``bench/decode_gpu.py`` on the CPU (the deferred path with ``decode_device="cpu"``), and
+    the GPU report's table of it."""
+    result = _run("decode_gpu.py", tmp_path, "--device", "cpu")
+    assert result["device"] == "cpu" and set(result["images_per_second"]) == {"pil_1_core", "deferred", "finish_only"}
+    _sane(result["ratios"])
+    assert 0 < result["mean_abs_diff_vs_pil"] < 0.05  # the same crops; another decoder path and resize
+    gpu_report = _bench_module("gpu_report", monkeypatch)
+    md = gpu_report.markdown({"name": "t", "command": "c", "machine": result["machine"], "cuda": gpu_report.cuda_info(),
+                              "packages": {}, "parts": {
+                                  "tests": {"status": "skipped", "reason": "-"},
+                                  "layers": {"status": "skipped", "reason": "-"},
+                                  "step": {"status": "skipped", "reason": "-"},
+                                  "decode": {"status": "ran", "command": "python bench/decode_gpu.py", "result": result}}})
+    assert "| deferred | " in md and "| pil_1_core | " in md

@@ -429,3 +429,87 @@ def test_shards_have_no_pax_headers(tmp_path):
     with tarfile.open(next(tmp_path.glob("s-*.tar"))) as tar:
         members = tar.getmembers()
     assert len(members) == 8 and all(not m.pax_headers for m in members)
+
+
+@pytest.fixture(scope="module")
+def photo_shards(tmp_path_factory):
+    """24 non-square JPEGs (ImageNet's frame shapes, scaled down) in 3 shards."""
+    from distnorm.data.sources import IMAGENET_SHAPES
+
+    root = tmp_path_factory.mktemp("photos")
+    shapes = tuple((h // 8, w // 8) for h, w in IMAGENET_SHAPES)
+    index = D.write_shards(D.SyntheticSource(num_samples=24, num_classes=4, shapes=shapes), str(root / "train"),
+                           maxcount=8, progress=False)
+    return f"{root}/train-{{000000..000002}}.tar", index
+
+
+def _batches(loader) -> list:
+    loader.set_epoch(0) if hasattr(loader, "set_epoch") else None
+    return [(b[0].clone(), b[1].clone(), list(b[-1])) for b in loader]
+
+
+def test_torchvision_decoder_in_workers_and_deferred_to_the_main_process_agree(photo_shards):
+    """Bugs caught: the deferred path drawing the crop or flip in another order than the
+    in-worker path (other crops), decoding with another mode (grey / RGBA), a deferred batch
+    not decoded before it is yielded, exact-once evaluation lost on the deferred path.
+    (``decode_device="cuda"`` runs this path with nvJPEG: measured by ``make test-gpu``.)"""
+    urls, index = photo_shards
+    common = dict(num_samples=index.total, batch_size=4, num_workers=2, transform="imagenet", image_size=24,
+                  shuffle_buffer=8, seed=3, return_keys=True)
+    pil = _batches(D.TrainLoader(urls, **common))
+    worker = _batches(D.TrainLoader(urls, decoder="torchvision", **common))
+    deferred = _batches(D.TrainLoader(urls, decoder="torchvision", decode_device="cpu", **common))
+    assert len(worker) == len(deferred) == len(pil) == math.ceil(index.total / 4)
+    for (a, la, ka), (b, lb, kb), (c, lc, kc) in zip(worker, deferred, pil):
+        assert ka == kb == kc and torch.equal(la, lb) and torch.equal(la, lc)
+        assert b.dtype == torch.float32 and torch.equal(a, b)
+        # the same crops and flips as PIL; torch's antialiased resize is not Pillow's to the bit
+        assert (a - c).abs().mean() < 0.05, (a - c).abs().mean()
+
+    evals = [D.EvalLoader(urls, index=index, batch_size=5, num_workers=2, transform="imagenet", image_size=24, **kw)
+             for kw in ({"decoder": "torchvision"}, {"decoder": "torchvision", "decode_device": "cpu"})]
+    (worker, deferred) = ([(x, y, m, k) for x, y, m, k in loader] for loader in evals)
+    keys = [k for _, _, m, ks in deferred for k, real in zip(ks, m.tolist()) if real]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == index.total
+    for (a, _, ma, ka), (b, _, mb, kb) in zip(worker, deferred):
+        assert ka == kb and torch.equal(ma, mb) and torch.equal(a, b)
+
+
+def test_decoder_settings_refused_with_the_setting_to_change():
+    with pytest.raises(ValueError, match="decode_device needs decoder='torchvision'"):
+        D.build_transform("imagenet", train=True, image_size=32, decode_device="cpu")
+    with pytest.raises(ValueError, match="RandomCrop"):
+        D.build_transform("cifar", train=True, image_size=32, decoder="torchvision", decode_device="cpu")
+    with pytest.raises(ValueError, match="reduced_decode .* needs decoder='pil'"):
+        D.build_transform("imagenet", train=True, image_size=32, decoder="torchvision", reduced_decode=True)
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        D.build_transform("imagenet", train=True, image_size=32, decoder="nvjpeg")
+
+
+def test_recipe_data_settings_reach_the_loaders(photo_shards):
+    """Bug caught: a ``data.*`` decoding setting parsed from the recipe but never handed to the
+    loaders."""
+    from distnorm.train.config import from_dict
+    from distnorm.train.loop import build_loaders
+
+    urls, index = photo_shards
+    index_path = str(Path(urls.split("/train-")[0]) / "train-index.json")
+    cfg = from_dict({"model": {"name": "resnet18"}, "data": {
+        "train_shards": urls, "train_index": index_path, "val_shards": urls, "val_index": index_path,
+        "image_size": 24, "num_workers": 0, "eval_workers": 0, "decoder": "torchvision", "decode_device": "cpu"}})
+    train, evaluation = build_loaders(cfg, rank=0, world=1, per_rank=4)
+    for loader in (train, evaluation):
+        assert (loader.transform.decoder, str(loader.transform.decode_device)) == ("torchvision", "cpu")
+    train.set_epoch(0)
+    images, labels = next(iter(train))
+    assert images.shape == (4, 3, 24, 24) and images.dtype == torch.float32
+    cfg = from_dict({"model": {"name": "resnet18"}, "data": {
+        "train_shards": urls, "train_index": index_path, "image_size": 24, "num_workers": 0, "reduced_decode": True}})
+    assert build_loaders(cfg, rank=0, world=1, per_rank=4)[0].transform.reduced_decode is True
+    with pytest.raises(ValueError, match="decode_device"):
+        from_dict({"model": {"name": "resnet18"}, "data": {"decode_device": "tpu"}})
+    with pytest.raises(ValueError, match="data: decode_device needs decoder='torchvision'"):
+        from_dict({"model": {"name": "resnet18"}, "data": {"decode_device": "cuda"}})  # refused before any worker
+    with pytest.raises(ValueError, match="data: decode_device supports .* not \\['RandomCrop'"):
+        from_dict({"model": {"name": "resnet18"}, "data": {"transform": "cifar", "decoder": "torchvision",
+                                                           "decode_device": "cuda"}})

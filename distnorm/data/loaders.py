@@ -187,6 +187,11 @@ def _collate(transform: Callable, rows: list[tuple]) -> tuple:
     return images, labels, mask, [r[3] for r in rows]
 
 
+def _finish(transform: Callable, images: Any) -> torch.Tensor:
+    """Main process: decode a deferred batch on the transform's ``decode_device``."""
+    return transform.finish(images) if isinstance(transform, ImageTransform) and transform.decode_device else images
+
+
 def _worker() -> tuple[int, int]:
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
@@ -331,6 +336,9 @@ class TrainLoader(_LoaderBase):
         image_size: output side for presets.
         reduced_decode: presets only: decode JPEGs at 1/2, 1/4 or 1/8 size where the crop
             allows it (:mod:`distnorm.data.transforms`).
+        decoder, decode_device: presets only: ``"pil"`` or ``"torchvision"``; with a
+            ``decode_device`` (e.g. ``"cuda"``) batches are decoded there, in the main
+            process, and arrive on that device (:mod:`distnorm.data.transforms`).
         on_error: ``"raise"`` or ``"skip"``.
         return_keys: also yield the sample keys (for debugging and tests).
 
@@ -366,6 +374,8 @@ class TrainLoader(_LoaderBase):
         transform: str | Callable = "imagenet",
         image_size: int = 224,
         reduced_decode: bool = False,
+        decoder: str = "pil",
+        decode_device: str | torch.device | None = None,
         on_error: str = "raise",
         return_keys: bool = False,
     ):
@@ -378,7 +388,8 @@ class TrainLoader(_LoaderBase):
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
         self.skip_batches = 0
         self.shuffle_buffer, self.on_error, self.return_keys = shuffle_buffer, on_error, return_keys
-        self.transform = build_transform(transform, train=True, image_size=image_size, reduced_decode=reduced_decode) \
+        self.transform = build_transform(transform, train=True, image_size=image_size, reduced_decode=reduced_decode,
+                                         decoder=decoder, decode_device=decode_device) \
             if isinstance(transform, str) else transform
 
     def __len__(self) -> int:
@@ -404,6 +415,7 @@ class TrainLoader(_LoaderBase):
         produced = self.skip_batches
         for images, labels, _mask, keys, skipped, messages in self._dataloader(stream):
             self._account(skipped, messages)
+            images = _finish(self.transform, images)
             produced += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
         if produced != len(self):
@@ -468,6 +480,7 @@ class EvalLoader(_LoaderBase):
         num_workers, prefetch_factor, pin_memory: DataLoader settings.
         transform: preset name or callable; ``image_size`` its output side.
         reduced_decode: presets only: decode JPEGs at a reduced size where the resize allows it.
+        decoder, decode_device: presets only: as for :class:`TrainLoader`.
         on_error: ``"raise"`` or ``"skip"`` (bad samples become masked placeholders).
     """
 
@@ -485,6 +498,8 @@ class EvalLoader(_LoaderBase):
         transform: str | Callable = "imagenet",
         image_size: int = 224,
         reduced_decode: bool = False,
+        decoder: str = "pil",
+        decode_device: str | torch.device | None = None,
         on_error: str = "raise",
     ):
         super().__init__(num_workers, prefetch_factor, pin_memory)
@@ -493,7 +508,8 @@ class EvalLoader(_LoaderBase):
         self.urls = expand_urls(shards)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.on_error, self.image_size = on_error, image_size
-        self.transform = build_transform(transform, train=False, image_size=image_size, reduced_decode=reduced_decode) \
+        self.transform = build_transform(transform, train=False, image_size=image_size, reduced_decode=reduced_decode,
+                                         decoder=decoder, decode_device=decode_device) \
             if isinstance(transform, str) else transform
         workers = max(num_workers, 1)
         counts = [self.index.count_for(u) for u in self.urls]
@@ -521,6 +537,7 @@ class EvalLoader(_LoaderBase):
         produced = 0
         for images, labels, mask, keys, skipped, messages in self._dataloader(stream):
             self._account(skipped, messages)
+            images = _finish(self.transform, images)
             produced += 1
             yield images, labels, mask, keys
         if produced != len(self):

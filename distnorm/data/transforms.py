@@ -22,6 +22,18 @@ that keeps the crop at least as large as the output; for ``Resize`` the short si
 least the target. Pixels differ slightly from a full decode (a DCT-domain downscale before
 the bilinear one), which is why it is a setting. Images too small for a reduction decode as
 before.
+
+**Decoders** (``decoder``): ``"pil"`` (default; libjpeg-turbo through Pillow, geometry on PIL
+images) or ``"torchvision"`` (``torchvision.io.decode_jpeg``, geometry on ``uint8`` tensors
+with torchvision's tensor kernels). Both draw the same random numbers for the same seed, so
+they crop and flip alike; pixels differ by at most a few levels (torch's antialiased resize
+is not Pillow's to the bit). With ``decode_device`` (``"cuda"`` on a GPU host; ``"cpu"``
+runs the same path on the CPU), the DataLoader workers only read the files and draw the
+geometry (:class:`Deferred` rows); the main process decodes each batch in one batched
+``decode_jpeg(..., device=decode_device)`` call and crops, flips and normalizes there
+(:meth:`ImageTransform.finish`), so the batch arrives normalized on that device. The
+deferred path supports the ImageNet presets' steps (RandomResizedCrop, RandomHorizontalFlip,
+Resize, CenterCrop).
 """
 
 from __future__ import annotations
@@ -29,18 +41,28 @@ from __future__ import annotations
 import functools
 import io
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["ImageTransform", "build_transform", "TRANSFORM_PRESETS", "IMAGENET_MEAN", "IMAGENET_STD"]
+__all__ = ["ImageTransform", "Deferred", "build_transform", "TRANSFORM_PRESETS", "DECODERS", "IMAGENET_MEAN",
+           "IMAGENET_STD"]
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 TRANSFORM_PRESETS = ("imagenet", "cifar", "digits")
+DECODERS = ("pil", "torchvision")
 _DCT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes at, largest first
+
+
+class Deferred(NamedTuple):
+    """A sample the main process decodes (``decode_device``): its encoded bytes and the drawn
+    geometry, ``(kind, args)`` steps applied by :meth:`ImageTransform.finish`."""
+
+    data: torch.Tensor  # uint8, the encoded file
+    plan: tuple[tuple[str, tuple], ...]
 
 
 class ImageTransform:
@@ -49,22 +71,42 @@ class ImageTransform:
     Args:
         geometry: torchvision transforms on PIL images (crop, resize, flip), applied in order.
         mean, std: per-channel normalization of ``p / 255``.
-        reduced_decode: decode JPEGs at a reduced size where the geometry allows it.
+        reduced_decode: decode JPEGs at a reduced size where the geometry allows it (PIL).
+        decoder: ``"pil"`` or ``"torchvision"``.
+        decode_device: decode in the main process on this device, batched (torchvision).
     """
 
     def __init__(self, geometry: Sequence[Callable], mean: Sequence[float], std: Sequence[float], *,
-                 reduced_decode: bool = False):
+                 reduced_decode: bool = False, decoder: str = "pil", decode_device: str | torch.device | None = None):
+        from torchvision import transforms as T
+
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+        if decode_device is not None and decoder != "torchvision":
+            raise ValueError("decode_device needs decoder='torchvision' (PIL decodes on the CPU, in the workers)")
+        if reduced_decode and decoder != "pil":
+            raise ValueError("reduced_decode is PIL's DCT scaling: it needs decoder='pil'")
+        if decode_device is not None:
+            supported = (T.RandomResizedCrop, T.RandomHorizontalFlip, T.Resize, T.CenterCrop)
+            unsupported = [type(g).__name__ for g in geometry if not isinstance(g, supported)]
+            if unsupported or any(isinstance(g, T.RandomResizedCrop) for g in geometry[1:]):
+                raise ValueError(f"decode_device supports the ImageNet presets' steps (RandomResizedCrop first, "
+                                 f"RandomHorizontalFlip, Resize, CenterCrop), not {unsupported or list(geometry)}; "
+                                 "leave decode_device unset to decode in the workers")
         self.geometry = list(geometry)
         self.mean, self.std = tuple(mean), tuple(std)
-        self.reduced_decode = reduced_decode
+        self.reduced_decode, self.decoder = reduced_decode, decoder
+        self.decode_device = None if decode_device is None else torch.device(decode_device)
         # torchvision's Normalize makes these from the tuples in the input's dtype: float32.
         self._mean = torch.tensor(self.mean, dtype=torch.float32).view(-1, 1, 1)
         self._std = torch.tensor(self.std, dtype=torch.float32).view(-1, 1, 1)
 
     def __repr__(self) -> str:
         steps = ", ".join(repr(g) for g in self.geometry)
-        return (f"ImageTransform([{steps}], mean={self.mean}, std={self.std}"
-                f"{', reduced_decode=True' if self.reduced_decode else ''})")
+        extra = "".join(f", {k}={v!r}" for k, v in (("reduced_decode", self.reduced_decode), ("decoder", self.decoder),
+                                                    ("decode_device", self.decode_device))
+                        if v not in (False, "pil", None))
+        return f"ImageTransform([{steps}], mean={self.mean}, std={self.std}{extra})"
 
     # ------------------------------------------------------------------ one image
     def decode(self, data: bytes) -> Image.Image:
@@ -75,8 +117,11 @@ class ImageTransform:
         """
         return self._loaded(Image.open(io.BytesIO(data)))
 
-    def pixels(self, data: bytes | Image.Image) -> np.ndarray:
-        """``uint8`` pixels ``(H, W, 3)`` after the geometry, from encoded bytes or an image."""
+    def pixels(self, data: bytes | Image.Image) -> np.ndarray | torch.Tensor | Deferred:
+        """The sample after the geometry, from encoded bytes or an image: ``uint8`` pixels
+        ``(H, W, 3)`` (PIL), ``(3, H, W)`` (torchvision), or a :class:`Deferred` row."""
+        if self.decoder == "torchvision" and not isinstance(data, Image.Image):
+            return self._deferred(data) if self.decode_device is not None else self._tensor_pixels(data)
         if isinstance(data, Image.Image):
             image, steps = data.convert("RGB") if data.mode != "RGB" else data, self.geometry
         elif self.reduced_decode:
@@ -95,24 +140,90 @@ class ImageTransform:
         return out
 
     # ------------------------------------------------------------------ batches
-    def batch(self, rows: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
-        """``(B, 3, H, W)`` float32 from :meth:`pixels` rows (or ready ``(3, H, W)`` tensors:
-        placeholders), in shared memory inside a DataLoader worker."""
+    def batch(self, rows: Sequence[np.ndarray | torch.Tensor | Deferred]) -> torch.Tensor | list[Deferred | torch.Tensor]:
+        """``(B, 3, H, W)`` float32 from :meth:`pixels` rows (float ``(3, H, W)`` tensors are
+        placeholders, taken as they are), in shared memory inside a DataLoader worker. With
+        ``decode_device``, the rows themselves, for :meth:`finish`."""
+        if self.decode_device is not None:
+            return list(rows)
         first = rows[0]
         shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (first.shape[2], *first.shape[:2])
         out = batch_tensor((len(rows), *shape), torch.float32)
         for target, row in zip(out, rows):
-            if isinstance(row, torch.Tensor):
+            if isinstance(row, torch.Tensor) and row.is_floating_point():
                 target.copy_(row)
             else:
                 self._normalize_into(target, row)
         return out
 
-    def _normalize_into(self, out: torch.Tensor, pixels: np.ndarray) -> None:
+    def _normalize_into(self, out: torch.Tensor, pixels: np.ndarray | torch.Tensor) -> None:
         # ToTensor: float32(p) / 255; Normalize: (x - mean) / std — the same three roundings.
         # One image at a time: the four passes run on a slice that stays in the cache.
-        out.copy_(torch.from_numpy(pixels).permute(2, 0, 1))
-        out.div_(255).sub_(self._mean).div_(self._std)
+        out.copy_(pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels).permute(2, 0, 1))
+        out.div_(255).sub_(self._mean.to(out.device)).div_(self._std.to(out.device))
+
+    # ------------------------------------------------------------ torchvision decoder
+    @staticmethod
+    def _encoded(data: bytes) -> torch.Tensor:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def _tensor_pixels(self, data: bytes) -> torch.Tensor:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        image = decode_jpeg(self._encoded(data), mode=ImageReadMode.RGB)
+        for step in self.geometry:
+            image = step(image)
+        return image
+
+    def _deferred(self, data: bytes) -> Deferred:
+        """Draw the geometry on the header's size (the same draws as the in-worker paths;
+        RandomResizedCrop, the one step that needs the size, comes first)."""
+        from torchvision import transforms as T
+
+        with Image.open(io.BytesIO(data)) as header:  # reads the size, decodes nothing
+            height, width = header.height, header.width
+        plan = []
+        for step in self.geometry:
+            if isinstance(step, T.RandomResizedCrop):
+                top, left, height, width = T.RandomResizedCrop.get_params(
+                    torch.empty(0, height, width), step.scale, step.ratio)
+                size = list(_pair(step.size))
+                plan.append(("resized_crop", (top, left, height, width, size, step.interpolation, step.antialias)))
+                height, width = size
+            elif isinstance(step, T.RandomHorizontalFlip):
+                if torch.rand(1) < step.p:
+                    plan.append(("hflip", ()))
+            elif isinstance(step, T.Resize):
+                plan.append(("resize", (step.size, step.interpolation, step.max_size, step.antialias)))
+            else:  # CenterCrop (the constructor admits nothing else)
+                plan.append(("center_crop", (step.size,)))
+        return Deferred(self._encoded(data), tuple(plan))
+
+    def finish(self, rows: Sequence[Deferred | torch.Tensor]) -> torch.Tensor:
+        """Decode and transform a batch of :class:`Deferred` rows on ``decode_device`` (one
+        batched ``decode_jpeg``); float tensors (placeholders) are taken as they are."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+        from torchvision.transforms import functional as F
+
+        device = self.decode_device
+        encoded = [r.data for r in rows if isinstance(r, Deferred)]
+        decoded = iter(decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device) if encoded else [])
+        images = []
+        for row in rows:
+            if not isinstance(row, Deferred):
+                images.append(("ready", row.to(device)))
+                continue
+            image = next(decoded)
+            for kind, args in row.plan:
+                image = getattr(F, kind)(image, *args)
+            images.append(("pixels", image))
+        out = torch.empty((len(rows), *images[0][1].shape), dtype=torch.float32, device=device)
+        for target, (kind, image) in zip(out, images):
+            if kind == "ready":
+                target.copy_(image)
+            else:
+                self._normalize_into(target, image)
+        return out
 
     # ------------------------------------------------------------ reduced decoding
     def _decode_reduced(self, data: bytes) -> tuple[Image.Image, list[Callable]]:
@@ -183,14 +294,15 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
-def build_transform(preset: str, *, train: bool, image_size: int, reduced_decode: bool = False) -> ImageTransform:
+def build_transform(preset: str, *, train: bool, image_size: int, reduced_decode: bool = False, decoder: str = "pil",
+                    decode_device: str | torch.device | None = None) -> ImageTransform:
     """The image transform of a recipe.
 
     ``imagenet``: train = RandomResizedCrop + horizontal flip (pytorch/examples imagenet),
     eval = resize to 256/224 of the size + center crop. ``cifar``: train = 4-pixel padded
     random crop + flip. ``digits``: 2-pixel padded random crop, no flip (digits are not
     mirror-symmetric). All end with ToTensor and per-channel normalization; the result is an
-    :class:`ImageTransform` (``reduced_decode``: see the module docs).
+    :class:`ImageTransform` (``reduced_decode``, ``decoder``, ``decode_device``: see the module docs).
     """
     from torchvision import transforms as T
 
@@ -207,4 +319,5 @@ def build_transform(preset: str, *, train: bool, image_size: int, reduced_decode
         mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
     else:
         raise ValueError(f"unknown transform preset {preset!r}; choose one of {TRANSFORM_PRESETS}")
-    return ImageTransform(geometry, mean, std, reduced_decode=reduced_decode)
+    return ImageTransform(geometry, mean, std, reduced_decode=reduced_decode, decoder=decoder,
+                          decode_device=decode_device)

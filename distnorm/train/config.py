@@ -28,7 +28,7 @@ import yaml
 
 from distnorm import models
 from distnorm.config import DistNormConfig
-from distnorm.data.transforms import TRANSFORM_PRESETS
+from distnorm.data.transforms import DECODERS, TRANSFORM_PRESETS, build_transform
 from distnorm.settings import (
     Section,
     boolean,
@@ -80,6 +80,11 @@ class DataConfig(Section):
     image_size: int = param(224, "training crop size", positive_int)
     reduced_decode: bool = param(False, "decode JPEGs at 1/2, 1/4 or 1/8 size where the crop or resize shrinks "
                                         "them at least that much (libjpeg DCT scaling; pixels differ slightly)", boolean)
+    decoder: str = param("pil", "JPEG decoder: 'pil' (Pillow, PIL geometry) or 'torchvision' (torchvision.io, "
+                                "tensor geometry)", one_of(*DECODERS))
+    decode_device: str | None = param(None, "decode each batch in the main process on this device ('cuda' on GPU "
+                                            "hosts; needs decoder: torchvision); unset: in the workers",
+                                      optional(one_of("cpu", "cuda")))
     num_workers: int = param(8, "DataLoader workers per rank (training)", non_negative_int)
     eval_workers: int = param(4, "DataLoader workers per rank (evaluation)", non_negative_int)
     prefetch_factor: int = param(2, "batches each worker loads ahead", positive_int)
@@ -88,6 +93,16 @@ class DataConfig(Section):
                                         optional(positive_int))
     on_error: str = param("raise", "an undecodable sample: 'raise', or 'skip' it (counted and reported)",
                           one_of("raise", "skip"))
+
+    def _check_together(self) -> None:
+        if (self.decoder, self.decode_device, self.reduced_decode) == ("pil", None, False):
+            return
+        try:  # the transform's own rules (which decoder, which preset steps, which device)
+            for train in (True, False):
+                build_transform(self.transform, train=train, image_size=self.image_size, decoder=self.decoder,
+                                decode_device=self.decode_device, reduced_decode=self.reduced_decode)
+        except ValueError as err:
+            raise ValueError(f"data: {err}") from None
 
 
 @dataclass(frozen=True)

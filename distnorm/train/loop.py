@@ -243,14 +243,15 @@ def build_loaders(cfg: TrainConfig, rank: int, world: int, per_rank: int) -> tup
         d.train_shards, num_samples=index.total, batch_size=per_rank, rank=rank, world_size=world,
         seed=cfg.train.seed, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
         shuffle_buffer=d.shuffle_buffer, transform=d.transform, image_size=d.image_size,
-        reduced_decode=d.reduced_decode, on_error=d.on_error,
+        reduced_decode=d.reduced_decode, decoder=d.decoder, decode_device=d.decode_device, on_error=d.on_error,
     )
     eval_loader = None
     if d.val_shards:
         eval_loader = EvalLoader(
             d.val_shards, index=d.val_index, batch_size=d.eval_batch_size or per_rank, rank=rank,
             world_size=world, num_workers=d.eval_workers, prefetch_factor=d.prefetch_factor,
-            transform=d.transform, image_size=d.image_size, reduced_decode=d.reduced_decode, on_error=d.on_error,
+            transform=d.transform, image_size=d.image_size, reduced_decode=d.reduced_decode, decoder=d.decoder,
+            decode_device=d.decode_device, on_error=d.on_error,
         )
     return train_loader, eval_loader
 
