@@ -262,10 +262,26 @@ def test_undecodable_image_and_bad_label(bad_shards):
     _assert_metrics_equal(D.evaluate(model, loader), _plain_metrics(model, good_samples))
 
 
+def _cut_points(shard: Path) -> tuple[int, int]:
+    """Byte offsets that truncate ``shard`` inside the second JPEG's data, and inside the
+    header of the member after the first sample."""
+    import tarfile
+
+    with tarfile.open(shard) as tar:
+        members = tar.getmembers()
+    jpegs = [m for m in members if m.name.endswith(".jpg")]
+    return jpegs[1].offset_data + jpegs[1].size // 2, members[2].offset + 100
+
+
 def test_truncated_shard(bad_shards):
+    """Bugs caught: a shard cut inside a member read as if whole; a shard cut inside a header —
+    which Python's tarfile takes for the end of the archive — leaving validation samples out
+    without a word."""
     root, index, good = bad_shards
     shard = root / "b-000001.tar"
-    shard.write_bytes(shard.read_bytes()[:3000])
+    whole = shard.read_bytes()
+    in_data, in_header = _cut_points(shard)
+    shard.write_bytes(whole[:in_data])
     urls = index.local_urls(root)[:2]
     with pytest.raises(D.DataError, match="b-000001.tar"):
         list(D.TrainLoader(urls, num_samples=12, batch_size=4, num_workers=0, transform="digits",
@@ -275,11 +291,19 @@ def test_truncated_shard(bad_shards):
     with pytest.warns(UserWarning, match="skipped"):
         assert len(list(loader)) == len(loader) == 3
     assert loader.skipped > 0
-    short = index.shards[:2]
-    eval_loader = D.EvalLoader(urls, index=D.ShardIndex(index.classes, short), batch_size=4, num_workers=0,
-                               transform="digits", image_size=16, on_error="skip")
-    with pytest.warns(UserWarning):
-        assert len(list(eval_loader)) == len(eval_loader) == 3  # a short shard is padded, not a hang
+    short = D.ShardIndex(index.classes, index.shards[:2])
+    for cut in (in_data, in_header):
+        shard.write_bytes(whole[:cut])
+        with pytest.raises(D.DataError, match="b-000001.tar"):
+            list(D.EvalLoader(urls, index=short, batch_size=4, num_workers=0, transform="digits", image_size=16))
+        eval_loader = D.EvalLoader(urls, index=short, batch_size=4, num_workers=0,
+                                   transform="digits", image_size=16, on_error="skip")
+        with pytest.warns(UserWarning, match="b-000001.tar"):
+            batches = list(eval_loader)
+        # reported once for a cut header (WebDataset reports a cut member more than once)
+        assert eval_loader.skipped == 1 if cut == in_header else eval_loader.skipped >= 1
+        assert len(batches) == len(eval_loader) == 3  # a short shard is padded, not a hang
+        assert sum(int(m.sum()) for _, _, m, _ in batches) == 7  # 6 + the one whole sample before the cut
 
 
 def test_bad_arguments(synth_shards):

@@ -95,6 +95,7 @@ class _ErrorLog:
     pending: int = 0
     consecutive: int = 0
     messages: list[str] = field(default_factory=list)
+    failed_shards: set[str] = field(default_factory=set)
 
     def failure(self, message: str, err: BaseException) -> None:
         if self.on_error == "raise":
@@ -118,6 +119,7 @@ class _ErrorLog:
     def tar_handler(self, err: BaseException) -> bool:
         """WebDataset exception handler for shard-level failures (the URL is in err.args)."""
         urls = [a for a in getattr(err, "args", ()) if isinstance(a, str) and (".tar" in a or a.startswith("pipe:"))]
+        self.failed_shards.add(urls[-1] if urls else "?")
         self.failure(f"shard {urls[-1] if urls else '?'}", err)
         return True
 
@@ -426,8 +428,8 @@ class TrainLoader(_LoaderBase):
 
 class _EvalStream(IterableDataset):
     def __init__(self, worker_urls: list[list[str]], planned: list[int], extra: int, *, batch_size: int,
-                 transform: Callable, on_error: str, image_size: int):
-        self.worker_urls, self.planned, self.extra = worker_urls, planned, extra
+                 transform: Callable, on_error: str, image_size: int, counts: dict[str, int]):
+        self.worker_urls, self.planned, self.extra, self.counts = worker_urls, planned, extra, counts
         self.batch_size, self.transform, self.on_error, self.image_size = batch_size, transform, on_error, image_size
 
     def _placeholder_row(self) -> tuple:
@@ -440,14 +442,18 @@ class _EvalStream(IterableDataset):
             raise RuntimeError("eval loader planned for a different number of workers")
         log = _ErrorLog(self.on_error)
 
+        seen: dict[str, int] = {}
+
         def decode(src):
             for sample in src:
+                url = sample.get("__url__", "?")
+                seen[url] = seen.get(url, 0) + 1
                 row = _decode(sample, self.transform, log)
                 # A bad sample becomes a masked placeholder, so batch counts stay as planned.
                 yield (row[0], row[1], True, row[2]) if row is not None else self._placeholder_row()
 
         urls = self.worker_urls[worker]
-        produced = 0
+        produced, held = 0, None
         if urls:
             pipeline = wds.DataPipeline(
                 wds.SimpleShardList(urls),
@@ -461,7 +467,17 @@ class _EvalStream(IterableDataset):
                     raise DataError(
                         f"shards {urls} hold more samples than the shard index says; rewrite the index"
                     )
-                yield (*batch, *log.drain())
+                if held is not None:
+                    yield (*held, *log.drain())
+                held = batch  # the last batch carries the shortfall report below
+        for url in urls:
+            # Python's tarfile ends a shard quietly at a header cut short (a truncated copy):
+            # count against the index, so that no validation sample goes missing unreported.
+            if seen.get(url, 0) < self.counts[url] and url not in log.failed_shards:
+                log.failure(f"shard {url}", DataError(f"{seen.get(url, 0)} of the {self.counts[url]} samples the "
+                                                      "shard index lists were read (a truncated shard?)"))
+        if held is not None:
+            yield (*held, *log.drain())
         # Pad: this worker's planned batches (a truncated shard yields fewer), then on
         # worker 0 the batches this rank lacks to match the longest rank.
         pad = self.planned[worker] - produced + (self.extra if worker == 0 else 0)
@@ -513,6 +529,7 @@ class EvalLoader(_LoaderBase):
             if isinstance(transform, str) else transform
         workers = max(num_workers, 1)
         counts = [self.index.count_for(u) for u in self.urls]
+        self._counts = dict(zip(self.urls, counts))
 
         def plan(r: int) -> tuple[list[list[str]], list[int]]:
             positions = list(range(r, len(self.urls), world_size))  # shards of rank r
@@ -532,7 +549,7 @@ class EvalLoader(_LoaderBase):
 
     def __iter__(self) -> Iterator[tuple]:
         self.skipped, self.skip_messages = 0, []
-        stream = _EvalStream(self._worker_urls, self._planned, self._extra, batch_size=self.batch_size,
+        stream = _EvalStream(self._worker_urls, self._planned, self._extra, counts=self._counts, batch_size=self.batch_size,
                              transform=self.transform, on_error=self.on_error, image_size=self.image_size)
         produced = 0
         for images, labels, mask, keys, skipped, messages in self._dataloader(stream):
