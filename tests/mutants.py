@@ -268,6 +268,38 @@ MUTANTS: list[Mutant] = [
         "            m = torch.ones_like(mask, dtype=torch.float64)\n",
         ("tests/test_data.py::test_undecodable_image_and_bad_label",),
     ),
+    Mutant(
+        "normalize-rounding-changed",
+        "the presets' tensors equal torchvision's Compose(..., ToTensor(), Normalize()) bit for bit",
+        "distnorm/data/transforms.py",
+        "        out.div_(255).sub_(self._mean.to(out.device)).div_(self._std.to(out.device))\n",
+        "        out.mul_(1 / 255).sub_(self._mean.to(out.device)).div_(self._std.to(out.device))\n",
+        ("tests/test_data.py::test_preset_transforms_equal_torchvision_compose_bit_for_bit",),
+    ),
+    Mutant(
+        "deferred-flip-inverted",
+        "decode_device: the same crops and flips as decoding in the workers",
+        "distnorm/data/transforms.py",
+        "                if torch.rand(1) < step.p:\n",
+        "                if torch.rand(1) > step.p:\n",
+        ("tests/test_data.py::test_torchvision_decoder_in_workers_and_deferred_to_the_main_process_agree",),
+    ),
+    Mutant(
+        "eval-shard-shortfall-unreported",
+        "evaluation reports a shard cut inside a tar header (samples against the index)",
+        "distnorm/data/loaders.py",
+        "            if seen.get(url, 0) < self.counts[url] and url not in log.failed_shards:\n",
+        "            if seen.get(url, 0) < 0:\n",
+        ("tests/test_data.py::test_truncated_shard",),
+    ),
+    Mutant(
+        "pax-headers-back",
+        "distnorm-shards writes one header per member (no PAX header)",
+        "distnorm/data/shards.py",
+        "FIXED_MTIME = 0  # reproducible tar headers; an int: a float mtime costs a PAX header per member\n",
+        "FIXED_MTIME = 0.0  # reproducible tar headers; an int: a float mtime costs a PAX header per member\n",
+        ("tests/test_data.py::test_shards_have_no_pax_headers",),
+    ),
     # ------------------------------------------------------------ recipe: faults, checkpoints
     Mutant(
         "config-disagreement-accepted",
