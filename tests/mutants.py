@@ -300,6 +300,14 @@ MUTANTS: list[Mutant] = [
         "FIXED_MTIME = 0.0  # reproducible tar headers; an int: a float mtime costs a PAX header per member\n",
         ("tests/test_data.py::test_shards_have_no_pax_headers",),
     ),
+    Mutant(
+        "shuffle-reads-ahead",
+        "a worker reads no sample its epoch does not use",
+        "distnorm/data/loaders.py",
+        "        target = min(bufsize, demand.outstanding())\n",
+        "        target = bufsize\n",
+        ("tests/test_data.py::test_shuffle_buffer_reads_no_sample_the_epoch_does_not_use",),
+    ),
     # ------------------------------------------------------------ recipe: faults, checkpoints
     Mutant(
         "config-disagreement-accepted",

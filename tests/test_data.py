@@ -537,3 +537,31 @@ def test_recipe_data_settings_reach_the_loaders(photo_shards):
     with pytest.raises(ValueError, match="data: decode_device supports .* not \\['RandomCrop'"):
         from_dict({"model": {"name": "resnet18"}, "data": {"transform": "cifar", "decoder": "torchvision",
                                                            "decode_device": "cuda"}})
+
+
+def test_shuffle_buffer_reads_no_sample_the_epoch_does_not_use():
+    """Bug caught: ``webdataset.shuffle`` over the endless resampled stream keeps its buffer
+    full to the end of the epoch, so each worker read up to a buffer's worth of samples it
+    never used (a quarter of an ImageNet epoch's reading at the recipes' defaults)."""
+    from distnorm.data.loaders import _Demand, _shuffle_on_demand
+
+    for needed, bufsize, failing in ((100, 30, set()), (100, 500, set()), (50, 20, {3, 17, 18, 40})):
+        pulled = []
+
+        def endless():
+            i = 0
+            while True:
+                pulled.append(i)
+                yield i
+                i += 1
+
+        demand = _Demand(needed)
+        out = []
+        for item in _shuffle_on_demand(endless(), bufsize=bufsize, initial=min(bufsize, 10), seed=1, demand=demand):
+            out.append(item)
+            if item not in failing:  # what the decode stage counts
+                demand.delivered += 1
+            if demand.outstanding() == 0:  # the epoch's last batch: the loader stops here
+                break
+        assert demand.delivered == needed and len(pulled) == needed + len(failing & set(pulled))
+        assert sorted(out) == pulled and out != pulled  # every sample read is used once, shuffled

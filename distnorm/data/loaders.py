@@ -31,6 +31,7 @@ import hashlib
 import io
 import logging
 import math
+import random
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -210,6 +211,53 @@ def _role_counts(total: int, skip: int, role: int, workers: int) -> tuple[int, i
     return before, len(range(role, total, workers)) - before
 
 
+@dataclass
+class _Demand:
+    """Samples a worker's epoch still needs: ``needed`` minus those ``delivered`` (decoded, or
+    dropped by a resume), counted by the stages after the shuffle buffer."""
+
+    needed: int
+    delivered: int = 0
+
+    def outstanding(self) -> int:
+        return self.needed - self.delivered
+
+
+def _shuffle_on_demand(src: Iterator, *, bufsize: int, initial: int, seed: int, demand: _Demand) -> Iterator:
+    """WebDataset's shuffle buffer (``webdataset.shuffle``: start yielding at ``initial``,
+    then take up to two samples per sample given, up to ``bufsize``), except that it never
+    holds more samples than the epoch still needs. ``webdataset.shuffle`` over the endless
+    resampled stream keeps its buffer full to the end: each worker read up to a buffer's
+    worth of samples per epoch it never used (8 workers x 5,000 per rank at the recipes'
+    defaults: a quarter of an ImageNet epoch's reading per rank). A sample that fails to
+    decode is replaced (the count of delivered samples does not move).
+    """
+    rng = random.Random(seed)
+    source = iter(src)
+    buffer: list = []
+    alive = True
+
+    def pull() -> bool:
+        try:
+            buffer.append(next(source))
+            return True
+        except StopIteration:
+            return False
+
+    while alive and len(buffer) < min(initial, demand.outstanding()):
+        alive = pull()
+    while True:
+        target = min(bufsize, demand.outstanding())
+        for _ in range(2):
+            if alive and len(buffer) < target:
+                alive = pull()
+        if not buffer:
+            return
+        k = rng.randint(0, len(buffer) - 1)
+        buffer[k], buffer[-1] = buffer[-1], buffer[k]
+        yield buffer.pop()
+
+
 class _TrainStream(IterableDataset):
     def __init__(self, urls: list[str], *, batch_size: int, num_batches: int, rank: int, world_size: int,
                  seed: int, epoch: int, shuffle_buffer: int, transform: Callable, on_error: str, skip: int = 0):
@@ -232,6 +280,7 @@ class _TrainStream(IterableDataset):
         log = _ErrorLog(self.on_error)
         watch = _ClassOrderWatch(self.shuffle_buffer)
         rank, world = self.rank, self.world_size
+        demand = _Demand(needed=(skipped + remaining) * self.batch_size)
 
         def split_by_rank(src):  # the explicit node splitter: rank r takes r, r+W, r+2W, ...
             for i, item in enumerate(src):
@@ -253,12 +302,15 @@ class _TrainStream(IterableDataset):
                 torch.default_generator.manual_seed(_seed(role_seed, index))
                 row = _decode(sample, self.transform, log)
                 if row is not None:
+                    demand.delivered += 1
                     yield row[0], row[1], True, row[2]
 
         def skip_raw(src):  # resume: drop already-trained samples before decoding them
             for index, sample in enumerate(src):
                 if index >= skipped * self.batch_size:
                     yield sample
+                else:
+                    demand.delivered += 1  # delivered in the interrupted run
 
         def watch_class_order(src):  # in shard order, before the shuffle buffer
             for sample in src:
@@ -273,7 +325,8 @@ class _TrainStream(IterableDataset):
             split_by_worker,
             wds.tarfile_to_samples(handler=log.tar_handler),
             watch_class_order,
-            wds.shuffle(self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000), seed=role_seed),
+            functools.partial(_shuffle_on_demand, bufsize=self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000),
+                              seed=role_seed, demand=demand),
             skip_raw,
             decode,
             wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform), partial=False),
