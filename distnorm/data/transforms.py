@@ -100,6 +100,7 @@ class ImageTransform:
         # torchvision's Normalize makes these from the tuples in the input's dtype: float32.
         self._mean = torch.tensor(self.mean, dtype=torch.float32).view(-1, 1, 1)
         self._std = torch.tensor(self.std, dtype=torch.float32).view(-1, 1, 1)
+        self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         steps = ", ".join(repr(g) for g in self.geometry)
@@ -110,11 +111,8 @@ class ImageTransform:
 
     # ------------------------------------------------------------------ one image
     def decode(self, data: bytes) -> Image.Image:
-        """The RGB image of an encoded file, decoded at a reduced size where allowed.
-
-        Geometry that needs the full-size image to draw its parameters (RandomResizedCrop)
-        is applied by :meth:`pixels`; this only opens and decodes.
-        """
+        """The RGB image of an encoded file, full size (reduced-size decoding needs the
+        geometry's draws first: :meth:`pixels` does it)."""
         return self._loaded(Image.open(io.BytesIO(data)))
 
     def pixels(self, data: bytes | Image.Image) -> np.ndarray | torch.Tensor | Deferred:
@@ -160,7 +158,7 @@ class ImageTransform:
         # ToTensor: float32(p) / 255; Normalize: (x - mean) / std — the same three roundings.
         # One image at a time: the four passes run on a slice that stays in the cache.
         out.copy_(pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(pixels).permute(2, 0, 1))
-        out.div_(255).sub_(self._mean.to(out.device)).div_(self._std.to(out.device))
+        out.div_(255).sub_(self._mean).div_(self._std)  # on the CPU (workers; batch())
 
     # ------------------------------------------------------------ torchvision decoder
     @staticmethod
@@ -200,8 +198,10 @@ class ImageTransform:
         return Deferred(self._encoded(data), tuple(plan))
 
     def finish(self, rows: Sequence[Deferred | torch.Tensor]) -> torch.Tensor:
-        """Decode and transform a batch of :class:`Deferred` rows on ``decode_device`` (one
-        batched ``decode_jpeg``); float tensors (placeholders) are taken as they are."""
+        """Decode and transform a batch of :class:`Deferred` rows on ``decode_device``: one
+        batched ``decode_jpeg``, the geometry per image, then one stack and one normalization
+        for the batch (the same three roundings as :meth:`batch`). Float tensors
+        (evaluation's placeholders) are taken as they are."""
         from torchvision.io import ImageReadMode, decode_jpeg
         from torchvision.transforms import functional as F
 
@@ -210,20 +210,30 @@ class ImageTransform:
         decoded = iter(decode_jpeg(encoded, mode=ImageReadMode.RGB, device=device) if encoded else [])
         images = []
         for row in rows:
-            if not isinstance(row, Deferred):
-                images.append(("ready", row.to(device)))
-                continue
-            image = next(decoded)
-            for kind, args in row.plan:
-                image = getattr(F, kind)(image, *args)
-            images.append(("pixels", image))
-        out = torch.empty((len(rows), *images[0][1].shape), dtype=torch.float32, device=device)
-        for target, (kind, image) in zip(out, images):
-            if kind == "ready":
+            if isinstance(row, Deferred):
+                image = next(decoded)
+                for kind, args in row.plan:
+                    image = getattr(F, kind)(image, *args)
+                images.append(image)
+            else:
+                images.append(row.to(device))
+        mean, std = self._stats_on(device)
+        if all(not image.is_floating_point() for image in images):  # training: no placeholders
+            return torch.stack(images).to(torch.float32).div_(255).sub_(mean).div_(std)
+        out = torch.empty((len(images), *images[0].shape), dtype=torch.float32, device=device)
+        for target, image in zip(out, images):  # evaluation with padding: rare, per image
+            if image.is_floating_point():
                 target.copy_(image)
             else:
-                self._normalize_into(target, image)
+                target.copy_(image).div_(255).sub_(mean).div_(std)
         return out
+
+    def _stats_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mean`` / ``std`` on ``device``, copied there once (a copy per batch would make
+        the host wait for the device at every batch)."""
+        if device not in self._stats:
+            self._stats[device] = (self._mean.to(device), self._std.to(device))
+        return self._stats[device]
 
     # ------------------------------------------------------------ reduced decoding
     def _decode_reduced(self, data: bytes) -> tuple[Image.Image, list[Callable]]:
