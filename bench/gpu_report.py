@@ -8,7 +8,7 @@ Runs with the interpreter it is given and installs nothing (a bare GPU machine: 
 torchvision, pytest; perhaps no DeepSpeed, no WebDataset, no network). Three parts, each in
 its own process:
 
-* **tests**: ``pytest tests/test_cuda.py tests/test_gpu_paths.py tests/test_kernel_contracts.py``: passed / failed /
+* **tests**: ``pytest tests/test_cuda.py tests/test_fused.py tests/test_gpu_paths.py tests/test_kernel_contracts.py``: passed / failed /
   skipped counts, every skip reason with its count (what the machine lacks: a CUDA device,
   a second GPU, an optional package), the failures by name (from pytest's JUnit XML).
 * **layers**: ``bench/layers.py --device cuda``: each layer's forward+backward against
@@ -47,7 +47,7 @@ from _common import REPO, machine, write_json
 
 HERE = Path(__file__).resolve().parent
 PARTS = ("tests", "layers", "step", "decode")
-TESTS = ["tests/test_cuda.py", "tests/test_gpu_paths.py", "tests/test_kernel_contracts.py"]
+TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_gpu_paths.py", "tests/test_kernel_contracts.py"]
 #: Packages whose absence some tests skip over, or that the report should name.
 OPTIONAL = ("torchvision", "timm", "accelerate", "deepspeed", "webdataset", "triton", "pytest", "pytest_timeout")
 NO_CUDA = "no CUDA device"

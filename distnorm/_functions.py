@@ -58,8 +58,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from distnorm import _collectives
+from distnorm import _collectives, _fused
 from distnorm._collectives import ProcessGroup, constant
+from distnorm._fused import grad_coef_of, neg_inverse_count, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
 __all__ = [
@@ -194,61 +195,6 @@ def _finish(plan: Any, x: torch.Tensor, state: Any, replay: bool) -> Any:
     return plan
 
 
-def _grad_coef(u_neg: torch.Tensor, q: torch.Tensor, r_mu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``[[kD1, kD2], [0, kB]] = -u * [[r_mu, -q w], [0, q]]`` as a ``(2, 2, C)`` tensor."""
-    zero = constant(0.0, q.shape[0], q.dtype, q.device)
-    qw_neg = torch.addcmul(zero, q, w, value=-1.0)
-    return torch.stack([r_mu, qw_neg, zero, q]).mul_(u_neg).view(2, 2, -1)
-
-
-def _neg_inverse_count(a: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
-    """``-a / n`` with a host count (one op) or a device count."""
-    if isinstance(count, int):
-        return a * (-1.0 / max(count, 1))
-    return torch.div(a, count).neg_()
-
-
-def _blend(buffers: list[torch.Tensor], new: list[torch.Tensor], weight: float | torch.Tensor,
-           valid: bool | torch.Tensor) -> None:
-    """``buffer <- lerp(buffer, new, weight)`` for each pair, where the batch was valid.
-
-    ``valid`` is ``True`` when the host knows it; otherwise a bool tensor masks the update
-    (an all-empty step changes nothing). Both forms compute the new values with the same
-    (multi-tensor) operation, so ranks that take different forms still hold bit-identical
-    buffers.
-    """
-    new = [_acc(n, b.dtype) for n, b in zip(new, buffers)]
-    if isinstance(weight, torch.Tensor):  # the foreach ops take a scalar weight
-        blended = [b.lerp(n, weight) for b, n in zip(buffers, new)]
-    elif valid is True:
-        torch._foreach_lerp_(buffers, new, weight)
-        return
-    else:
-        blended = torch._foreach_lerp(buffers, new, weight)
-    if valid is not True:
-        blended = [torch.where(valid, n, b) for b, n in zip(buffers, blended)]
-    torch._foreach_copy_(buffers, blended)
-
-
-def _update_running(running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
-                    num_batches_tracked: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
-                    count: int | torch.Tensor, momentum: float | None, valid: bool | torch.Tensor) -> None:
-    """PyTorch's running statistics (unbiased variance, global count), once per step."""
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1 if valid is True else valid[0].to(num_batches_tracked.dtype))
-    if running_mean is None or running_var is None:
-        return
-    if momentum is None:  # cumulative moving average: weight 1 / num_batches_tracked
-        assert num_batches_tracked is not None, "cumulative averaging needs num_batches_tracked"
-        weight: float | torch.Tensor = num_batches_tracked.to(running_mean.dtype).clamp_min(1.0).reciprocal()
-    else:
-        weight = momentum
-    # Bessel's correction with the global count (where the count is <= 1 the step is
-    # masked out, so the inf / NaN it gives there is never used).
-    bessel = count / max(count - 1, 1) if isinstance(count, int) else count / (count - 1.0)
-    _blend([running_mean, running_var], [mean, var * bessel], weight, valid)
-
-
 # --------------------------------------------------------------------------- statistics
 @torch.no_grad()
 def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: torch.Tensor | None,
@@ -276,88 +222,33 @@ def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: to
         grad_coef = _ZEROS.get((2, 2, channels), acc, mean.device)
     else:
         a = invstd * _acc(weight, acc) if weight is not None else invstd
-        grad_coef = _grad_coef(_neg_inverse_count(a, count), invstd, one, mean)
+        grad_coef = grad_coef_of(neg_inverse_count(a, count), invstd, one, mean)
     plan = NormPlan(mean, var, invstd, a, grad_coef, _ZEROS.get((0,), acc, mean.device))
-    _update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
+    update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
     return _finish(plan, x, state, replay)
 
 
 @torch.no_grad()
 def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: CBNBuffers,
                    amat_eta: torch.Tensor, state: NormState, replay: bool = True) -> NormPlan:
-    """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history).
-
-    Per channel, with ``eta`` from ``amat_eta`` (``state.history`` says whether it is > 0)::
-
-        mu_U  = mu_B + eta (mu_A - mu_B)          d = mu_B - mu_U + beta
-        var_B = var(x) + d^2                      var_U = var_B + eta (var_A - var_B)
-        s = sqrt(var_B + eps)                     s_u = sqrt(var_U + eps)
-        r_sig = clamp(s_u / s)                    r_mu = clamp(mu_U / mu_B) where meaningful, else 1
-
-    The AMAT buffers become ``(mu_U, var_U)``; before their first valid step they are taken
-    to be this batch's statistics, so that step is plain CBN.
+    """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history): the
+    global moments (one all-reduce), then one fused operator, ``distnorm::cbn_plan``, for
+    the per-channel algebra and the buffer updates (:func:`distnorm._fused.cbn_plan_composite`
+    gives the maths). ``state.history`` says whether ``amat_eta`` is > 0.
     """
     replayed = _begin(x, state, replay)
     if replayed is not None:
         return replayed
-    amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked = buffers
-    moments = _collectives.global_moments(x, state.group(), layer=state.name)
-    count, mu_b, var_x, valid = moments
-    acc = mu_b.dtype
-    channels = mu_b.shape[0]
-    eps = state.eps
-    beta = _acc(bias, acc)
-    one = constant(1.0, channels, acc, mu_b.device)
-
-    if state.history:
-        eta = _acc(amat_eta, acc)
-        mu_a, var_a = _acc(amat_mean, acc), _acc(amat_var, acc)
-        if not state.amat_ready:  # "update, then substitute" starts from this batch
-            mu_a = torch.where(amat_initialized, mu_a, mu_b)
-            var_a = torch.where(amat_initialized, var_a, torch.addcmul(var_x, beta, beta))
-        delta = mu_a - mu_b
-        mu_u = torch.addcmul(mu_b, delta, eta)
-        d = torch.addcmul(beta, delta, eta, value=-1.0)
-        var_b = torch.addcmul(var_x, d, d)
-        var_u = torch.lerp(var_b, var_a, eta)
-        inv_s, invstd = torch._foreach_rsqrt_(torch._foreach_add([var_b, var_u], eps))
-        # Stop-gradient ratios. mu_U / mu_B explodes when the batch mean is near zero (tanh,
-        # centred inputs): use it only where both share a sign and |mu_B| > 0.1 sd(x)
-        # (mu_B^2 > 0.01 (var + eps)); clamp both. This changes only gradient scales.
-        r_sig = torch.div(inv_s, invstd).clamp_(1.0 / state.r_max, state.r_max)
-        q = r_sig * inv_s
-        ratio = mu_u / mu_b
-        meaningful = (ratio > 0) & (torch.addcmul(var_x, mu_b, mu_b, value=-100.0) < -eps)
-        r_mu = torch.where(meaningful, ratio.clamp_(1.0 / state.r_max, state.r_max), one)
-        center = mu_u - beta
-        w = torch.addcmul(center, r_mu, d)
-    else:
-        # No history (AMAT off, or eta = 0 at learning rates >= 1/omega): mu_U = mu_B,
-        # var_U = var_B = var(x) + beta^2, both ratios exactly 1.
-        mu_u, d, r_mu = mu_b, beta, one
-        var_b = var_u = torch.addcmul(var_x, beta, beta)
-        invstd = q = torch.rsqrt(var_u + eps)
-        center = mu_b - beta
-        w = mu_b  # (mu_U - beta) + d
-
-    a = invstd * _acc(weight, acc)
-    if state.rho != 1.0:
-        a.mul_(1.0 / state.rho)
-    grad_coef = _grad_coef(_neg_inverse_count(a, count), q, r_mu, w)
-    plan = NormPlan(center, var_u, invstd, a, grad_coef, q * d)
-
+    count, mu_b, var_x, valid = _collectives.global_moments(x, state.group(), layer=state.name)
+    host_count = count if isinstance(count, int) else -1
+    args = (mu_b, var_x, None if isinstance(count, int) else count, host_count, valid is True, weight, bias,
+            amat_eta, *buffers, state.eps, state.momentum, state.rho, state.r_max, state.history, state.amat_ready)
+    if state.stats_sink is None:
+        plan = NormPlan(*torch.ops.distnorm.cbn_plan(*args))
+    else:  # theory monitors (distnorm.monitors), off the hot path: the composite fills the sink
+        plan = NormPlan(*_fused.cbn_plan_composite(*args, sink=state.stats_sink))
     if valid is True:
-        torch._foreach_copy_([amat_mean, amat_var], [mu_u, var_u])
-        if not state.amat_ready:
-            amat_initialized.fill_(True)
-            state.amat_ready = True
-    else:  # a rank that cannot know whether the global batch was valid: masked, same values
-        torch._foreach_copy_([amat_mean, amat_var], [torch.where(valid, mu_u, amat_mean),
-                                                     torch.where(valid, var_u, amat_var)])
-        amat_initialized.logical_or_(valid[0])
-    _update_running(running_mean, running_var, num_batches_tracked, mu_b, var_x, count, state.momentum, valid)
-    if state.stats_sink is not None:  # theory monitors (distnorm.monitors); None on the hot path
-        state.stats_sink.update(mean=mu_b.clone(), sigma=torch.rsqrt(var_b + eps).reciprocal(), amat_mean=mu_u.clone())
+        state.amat_ready = True  # the host saw the AMAT buffers initialised
     return _finish(plan, x, state, replay)
 
 
@@ -446,15 +337,12 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
         # (kernel contract: no empty input; fresh zeros, since they become gradients)
         t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()
 
-    sums = torch.stack([s1_local, t_local])
     if state.kind == "bn":
+        sums = torch.stack([s1_local, t_local])
         grad_weight, grad_bias = t_local, s1_local
-    else:
-        grad_weight = t_local if state.rho == 1.0 else t_local * (1.0 / state.rho)
-        # SPEC §1.1's dbeta with the local/global roles exchanged: c_local * sum_global(x1)
-        # instead of c_global * sum_local(x1). Both are linear in the local sums and agree
-        # after the data-parallel average, and this form needs no collective.
-        grad_bias = torch.addcmul(s1_local, beta_coef, t_local, value=-1.0).mul_(grad_scale)
+    else:  # one fused operator: [S1, T], dgamma, dbeta (local sums; see distnorm._fused)
+        sums, grad_weight, grad_bias = torch.ops.distnorm.cbn_param_grads(
+            s1_local, t_local, beta_coef, grad_scale, 1.0 / state.rho)
 
     if not need_input_grad:
         return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias
@@ -462,7 +350,7 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
     # sums. Parameter gradients do not: they stay local and the data-parallel engine
     # averages them, exactly as for torch.nn.SyncBatchNorm.
     _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}")
-    shift, slope = (grad_coef * sums).sum(1).unbind()  # D, B
+    shift, slope = torch.ops.distnorm.shift_slope(grad_coef, sums)  # D, B = grad_coef @ sums
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
     grad_x = channel_affine(x, slope, shift)

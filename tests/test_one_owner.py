@@ -17,6 +17,8 @@ from distnorm import functional
 from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 PACKAGE = Path(distnorm.__file__).parent
+#: distnorm modules that exist to import an optional package; the only ones imported lazily.
+OPTIONAL_BACKENDS = ("distnorm.integrations.", "distnorm._triton")
 
 
 def _module_name(path: Path) -> str:
@@ -50,8 +52,9 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
                 continue
             if id(node) in in_function:
                 # The integrations import their optional engine (DeepSpeed, Accelerate) when
-                # imported, so importing them lazily is a lazy import of that package.
-                if not target.startswith("distnorm.integrations."):
+                # imported, and distnorm._triton imports Triton (loaded on the first CUDA step,
+                # never on a CPU run): importing them lazily is a lazy import of that package.
+                if not target.startswith(OPTIONAL_BACKENDS):
                     inside_functions.append(f"{module}:{node.lineno} imports {target}")
             elif target != module:
                 graph[module].add(target)

@@ -1,0 +1,204 @@
+"""CUDA kernels of the fused per-channel steps (:mod:`distnorm._fused`), in Triton.
+
+One program walks every channel in blocks, so the scalars a step also updates (the AMAT
+flag, ``num_batches_tracked``) are read before and written after every channel in the same
+program: no race between programs, and one launch per step. Each kernel is the
+composite of :mod:`distnorm._fused` written element-wise, in the same order of operations
+(``torch.lerp``'s two-sided formula included); ``tests/test_fused.py`` runs every kernel
+through Triton's interpreter on the CPU against the composite.
+
+This module imports Triton; :mod:`distnorm._fused` imports it only where a CUDA tensor
+meets a supported case, so a machine without Triton never loads it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK", "KERNELS", "cbn_param_grads", "cbn_plan", "shift_slope"]
+
+#: Channels per block of the single program (a power of two; C > BLOCK loops).
+BLOCK = 1024
+
+
+@triton.jit
+def _lerp(start, end, weight):
+    """``torch.lerp`` (ATen's ``lerp`` in ``Lerp.h``): the formula switches at 0.5."""
+    return tl.where(tl.abs(weight) < 0.5, start + weight * (end - start), end - (end - start) * (1.0 - weight))
+
+
+@triton.jit
+def _cbn_plan_kernel(
+    mean_ptr, var_ptr, count_ptr, weight_ptr, bias_ptr, eta_ptr,
+    amat_mean_ptr, amat_var_ptr, amat_init_ptr, run_mean_ptr, run_var_ptr, nbt_ptr,
+    center_ptr, var_u_ptr, invstd_ptr, a_ptr, coef_ptr, beta_coef_ptr,
+    C, neg_inv_count, bessel, eps, momentum, inv_rho, r_min, r_max,
+    HISTORY: tl.constexpr, DEVICE_COUNT: tl.constexpr, CUMULATIVE: tl.constexpr, SCALE_A: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # The step is valid (its buffers updated) when the global count exceeds 1: known on
+    # the host for a host count (the launcher only takes valid host counts), else read
+    # from the device count and applied as a mask on every rank, masked or not, so ranks
+    # hold bit-identical buffers.
+    if DEVICE_COUNT:
+        valid = tl.load(count_ptr) > 1.0
+    else:
+        valid = tl.full((), 1, tl.int1)
+    initialized = tl.load(amat_init_ptr) != 0
+    nbt = tl.load(nbt_ptr)
+    nbt_new = nbt + valid.to(tl.int64)
+    if CUMULATIVE:
+        run_weight = tl.div_rn(1.0, tl.maximum(nbt_new.to(tl.float32), 1.0))
+    else:
+        run_weight = momentum
+    if HISTORY:
+        eta = tl.load(eta_ptr).to(tl.float32)
+    for start in range(0, C, BLOCK_C):
+        offs = start + tl.arange(0, BLOCK_C)
+        m = offs < C
+        mu_b = tl.load(mean_ptr + offs, mask=m, other=1.0)
+        var_x = tl.load(var_ptr + offs, mask=m, other=1.0)
+        beta = tl.load(bias_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        gamma = tl.load(weight_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        amat_mean = tl.load(amat_mean_ptr + offs, mask=m, other=0.0)
+        amat_var = tl.load(amat_var_ptr + offs, mask=m, other=1.0)
+        if DEVICE_COUNT:
+            n = tl.load(count_ptr + offs, mask=m, other=2.0)
+        if HISTORY:
+            mu_a = tl.where(initialized, amat_mean, mu_b)
+            var_a = tl.where(initialized, amat_var, var_x + beta * beta)
+            delta = mu_a - mu_b
+            mu_u = mu_b + delta * eta
+            d = beta - delta * eta
+            var_b = var_x + d * d
+            var_u = _lerp(var_b, var_a, eta)
+            inv_s = tl.div_rn(1.0, tl.sqrt_rn(var_b + eps))
+            invstd = tl.div_rn(1.0, tl.sqrt_rn(var_u + eps))
+            r_sig = tl.minimum(tl.maximum(tl.div_rn(inv_s, invstd), r_min), r_max)
+            q = r_sig * inv_s
+            ratio = tl.div_rn(mu_u, mu_b)
+            meaningful = (ratio > 0) & ((var_x - 100.0 * mu_b * mu_b) < -eps)
+            r_mu = tl.where(meaningful, tl.minimum(tl.maximum(ratio, r_min), r_max), 1.0)
+            center = mu_u - beta
+            w = center + r_mu * d
+        else:
+            mu_u = mu_b
+            d = beta
+            r_mu = 1.0
+            var_u = var_x + beta * beta
+            invstd = tl.div_rn(1.0, tl.sqrt_rn(var_u + eps))
+            q = invstd
+            center = mu_b - beta
+            w = mu_b
+        a = invstd * gamma
+        if SCALE_A:
+            a = a * inv_rho
+        if DEVICE_COUNT:
+            u_neg = -tl.div_rn(a, n)
+        else:
+            u_neg = a * neg_inv_count
+        tl.store(center_ptr + offs, center, mask=m)
+        tl.store(var_u_ptr + offs, var_u, mask=m)
+        tl.store(invstd_ptr + offs, invstd, mask=m)
+        tl.store(a_ptr + offs, a, mask=m)
+        # grad_coef (2, 2, C) = -u * [[r_mu, -q w], [0, q]]
+        tl.store(coef_ptr + offs, r_mu * u_neg, mask=m)
+        tl.store(coef_ptr + C + offs, -(q * w) * u_neg, mask=m)
+        tl.store(coef_ptr + 2 * C + offs, 0.0 * u_neg, mask=m)
+        tl.store(coef_ptr + 3 * C + offs, q * u_neg, mask=m)
+        tl.store(beta_coef_ptr + offs, q * d, mask=m)
+        # AMAT buffers <- (mu_U, var_U); running statistics (unbiased, global count).
+        tl.store(amat_mean_ptr + offs, tl.where(valid, mu_u, amat_mean), mask=m)
+        tl.store(amat_var_ptr + offs, tl.where(valid, var_u, amat_var), mask=m)
+        if DEVICE_COUNT:
+            var_unbiased = var_x * tl.div_rn(n, n - 1.0)
+        else:
+            var_unbiased = var_x * bessel
+        run_mean = tl.load(run_mean_ptr + offs, mask=m, other=0.0)
+        run_var = tl.load(run_var_ptr + offs, mask=m, other=1.0)
+        tl.store(run_mean_ptr + offs, tl.where(valid, _lerp(run_mean, mu_b, run_weight), run_mean), mask=m)
+        tl.store(run_var_ptr + offs, tl.where(valid, _lerp(run_var, var_unbiased, run_weight), run_var), mask=m)
+    tl.store(amat_init_ptr, initialized | valid)
+    tl.store(nbt_ptr, nbt_new)
+
+
+@triton.jit
+def _cbn_param_grads_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, sums_ptr, grad_w_ptr, grad_b_ptr,
+                            C, inv_rho, BLOCK_C: tl.constexpr):
+    for start in range(0, C, BLOCK_C):
+        offs = start + tl.arange(0, BLOCK_C)
+        m = offs < C
+        s1 = tl.load(s1_ptr + offs, mask=m, other=0.0)
+        t = tl.load(t_ptr + offs, mask=m, other=0.0)
+        beta_coef = tl.load(beta_coef_ptr + offs, mask=m, other=0.0)
+        a = tl.load(a_ptr + offs, mask=m, other=0.0)
+        tl.store(sums_ptr + offs, s1, mask=m)
+        tl.store(sums_ptr + C + offs, t, mask=m)
+        tl.store(grad_w_ptr + offs, t * inv_rho, mask=m)
+        tl.store(grad_b_ptr + offs, (s1 - beta_coef * t) * a, mask=m)
+
+
+@triton.jit
+def _shift_slope_kernel(coef_ptr, sums_ptr, shift_ptr, slope_ptr, C, BLOCK_C: tl.constexpr):
+    for start in range(0, C, BLOCK_C):
+        offs = start + tl.arange(0, BLOCK_C)
+        m = offs < C
+        s1 = tl.load(sums_ptr + offs, mask=m, other=0.0)
+        t = tl.load(sums_ptr + C + offs, mask=m, other=0.0)
+        k00 = tl.load(coef_ptr + offs, mask=m, other=0.0)
+        k01 = tl.load(coef_ptr + C + offs, mask=m, other=0.0)
+        k10 = tl.load(coef_ptr + 2 * C + offs, mask=m, other=0.0)
+        k11 = tl.load(coef_ptr + 3 * C + offs, mask=m, other=0.0)
+        tl.store(shift_ptr + offs, k00 * s1 + k01 * t, mask=m)
+        tl.store(slope_ptr + offs, k10 * s1 + k11 * t, mask=m)
+
+
+#: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
+KERNELS = {"cbn_plan": _cbn_plan_kernel, "cbn_param_grads": _cbn_param_grads_kernel,
+           "shift_slope": _shift_slope_kernel}
+
+
+def _block(channels: int) -> int:
+    return min(BLOCK, max(16, triton.next_power_of_2(max(channels, 1))))
+
+
+def cbn_plan(mean, var, count, host_count, weight, bias, eta, amat_mean, amat_var, amat_initialized,
+             running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max, history,
+             kernels=KERNELS):
+    """The CUDA kernel of ``distnorm::cbn_plan`` (float32 accumulation; valid host counts)."""
+    channels = mean.shape[0]
+    empty = lambda *shape: torch.empty(shape, dtype=mean.dtype, device=mean.device)  # noqa: E731
+    center, var_u, invstd, a, beta_coef = (empty(channels) for _ in range(5))
+    grad_coef = empty(2, 2, channels)
+    device_count = count is not None
+    n = float(max(host_count, 1))
+    kernels["cbn_plan"][(1,)](
+        mean, var, count if device_count else mean, weight, bias, eta,
+        amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked,
+        center, var_u, invstd, a, grad_coef, beta_coef,
+        channels, -1.0 / n, host_count / max(host_count - 1, 1), eps,
+        0.0 if momentum is None else momentum, 1.0 / rho, 1.0 / r_max, r_max,
+        HISTORY=history, DEVICE_COUNT=device_count, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
+        BLOCK_C=_block(channels),
+    )
+    return center, var_u, invstd, a, grad_coef, beta_coef
+
+
+def cbn_param_grads(s1, t, beta_coef, grad_scale, inv_rho, kernels=KERNELS):
+    """The CUDA kernel of ``distnorm::cbn_param_grads``."""
+    channels = s1.shape[0]
+    sums = torch.empty(2, channels, dtype=s1.dtype, device=s1.device)
+    grad_w, grad_b = torch.empty_like(s1), torch.empty_like(s1)
+    kernels["cbn_param_grads"][(1,)](s1, t, beta_coef, grad_scale, sums, grad_w, grad_b, channels, inv_rho,
+                                     BLOCK_C=_block(channels))
+    return sums, grad_w, grad_b
+
+
+def shift_slope(grad_coef, sums, kernels=KERNELS):
+    """The CUDA kernel of ``distnorm::shift_slope``."""
+    channels = sums.shape[1]
+    shift, slope = torch.empty_like(sums[0]), torch.empty_like(sums[0])
+    kernels["shift_slope"][(1,)](grad_coef, sums, shift, slope, channels, BLOCK_C=_block(channels))
+    return shift, slope
