@@ -17,9 +17,9 @@ with 1 and 2 DataLoader workers:
 * ``wds_reduced``: ``TrainLoader(reduced_decode=True)``.
 
 Each measurement is a full pass including worker start-up; the variants are interleaved and
-the median of the repeats is reported. Ratios > 1 mean WebDataset is faster. The first
-images are checked to give bit-identical tensors through the loader's path and torchvision's
-``Compose`` for the same seeds.
+the median of the repeats is reported. Ratios > 1 mean WebDataset is faster. Every image is
+checked to give bit-identical tensors through the loader's path and torchvision's
+``Compose`` for the same seed.
 
 **Decode limit**: one core decoding the same files with PIL (``Image.open`` + ``load``, what
 both loaders use) and with ``torchvision.io.decode_jpeg``; the loader's 1-worker rate as a
@@ -47,8 +47,12 @@ from distnorm import data as D
 from distnorm.data.sources import IMAGENET_SHAPES
 
 PROFILE_GROUPS = {  # (file path ending, function): cumulative time; function "": own time of every function
-    "decode": [("PIL/ImageFile.py", "load")],
-    "geometry": [("torchvision/transforms/transforms.py", "forward")],  # RandomResizedCrop, flip
+    # Full decodes (ImageFile.load) and decodes stopped at the crop's bottom edge (_jpeg_rows).
+    "decode": [("PIL/ImageFile.py", "load"), ("distnorm/data/transforms.py", "_jpeg_rows")],
+    # The flip's forward; RandomResizedCrop's draw and crop + resize, which the preset calls
+    # directly (its forward, where a path calls it, would count them twice).
+    "geometry": [("torchvision/transforms/transforms.py", "forward"), ("torchvision/transforms/transforms.py", "get_params"),
+                 ("torchvision/transforms/functional.py", "resized_crop")],
     "normalization": [("distnorm/data/transforms.py", "_normalize_into")],
     "tar": [("/tarfile.py", ""), ("webdataset/tariterators.py", "")],
 }
@@ -94,14 +98,21 @@ def decode_rates(files: list[Path], repeats: int) -> dict[str, float]:
 
 
 def profile_split(loader) -> dict[str, float]:
-    """Fractions of a 0-worker pass's time per stage (cProfile's internal time per leaf)."""
+    """Fractions of a 0-worker pass's time per stage (cProfile's internal time per leaf), on
+    one torch thread as in a DataLoader worker (with two, the small per-image tensor ops
+    spin on a busy machine: normalization measured 3.5 % of the pass one day, 28 % another)."""
     profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    for _ in loader:
-        pass
-    profiler.disable()
-    total = time.perf_counter() - start
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        profiler.enable()
+        for _ in loader:
+            pass
+        profiler.disable()
+        total = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
     stats = pstats.Stats(profiler).stats
     split = dict.fromkeys([*PROFILE_GROUPS, "rest"], 0.0)
     for group, leaves in PROFILE_GROUPS.items():
@@ -113,8 +124,9 @@ def profile_split(loader) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in split.items()}
 
 
-def check_same_tensors(files: list[Path], transform, count: int = 8) -> bool:
-    """The loader's path (pixels, then batch normalization) equals torchvision's Compose."""
+def check_same_tensors(files: list[Path], transform, count: int | None = None) -> bool:
+    """The loader's path (pixels, then batch normalization) equals torchvision's Compose, on
+    every file (the first ``count``); each seed draws another crop and flip."""
     from PIL import Image
     from torchvision import transforms as T
 

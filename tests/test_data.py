@@ -443,6 +443,69 @@ def test_reduced_decode_decodes_smaller_and_keeps_the_crop():
     assert np.array_equal(a, train_reduced.pixels(small))
 
 
+
+def _progressive(data: bytes) -> bytes:
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(data)).save(buf, format="JPEG", quality=90, progressive=True)
+    return buf.getvalue()
+
+
+def test_decoding_down_to_the_crop_gives_the_pixels_of_a_full_decode(monkeypatch):
+    """Bugs caught: rows decoded short of the crop, or other pixels than a full decode (the
+    RandomResizedCrop preset stops the JPEG decoder at the crop's bottom edge); a truncated
+    file or one cut inside its header decoded without an error; grayscale, progressive or
+    non-JPEG files sent down that path; the crop drawn other than RandomResizedCrop draws it."""
+    from torchvision import transforms as T
+
+    from distnorm.data import transforms as DT
+
+    photos = [D.SyntheticSource(num_samples=3, shapes=((375, 500), (500, 333), (37, 50))).jpeg(i) for i in range(3)]
+    noise, digits = _jpeg(300, 400, 5), [D.DigitsSource(split="val").jpeg(i) for i in range(8)]
+    for data in [*photos, noise, digits[0]]:
+        with Image.open(io.BytesIO(data)) as image:
+            full = np.asarray(image.convert("RGB"))
+        height = full.shape[0]
+        for rows in sorted({1, 7, 8, 9, 16, height // 2, height - 1}):
+            with Image.open(io.BytesIO(data)) as image:
+                top = DT._jpeg_rows(image, data, rows)
+            assert top is not None and top.mode == "RGB" and np.array_equal(np.asarray(top), full[:rows]), rows
+        for rows in (0, height):  # nothing to save: the caller decodes in full
+            assert DT._jpeg_rows(Image.open(io.BytesIO(data)), data, rows) is None
+    png = io.BytesIO()
+    Image.open(io.BytesIO(noise)).save(png, format="PNG")
+    for other in (_jpeg(300, 400, 1, mode="L"), _progressive(noise), noise + b"trailing", png.getvalue()):
+        assert DT._jpeg_rows(Image.open(io.BytesIO(other)), other, 10) is None
+
+    # the preset: the Compose's tensors, most of them through the shortened decode
+    transform = D.build_transform("imagenet", train=True, image_size=24)
+    compose = T.Compose([*transform.geometry, T.ToTensor(), T.Normalize(transform.mean, transform.std)])
+    real, used = DT._jpeg_rows, []
+
+    def spy(*args):
+        used.append(real(*args))
+        return used[-1]
+
+    monkeypatch.setattr(DT, "_jpeg_rows", spy)
+    for seed, data in enumerate([*photos, noise, *digits] * 3):
+        torch.manual_seed(seed)
+        with Image.open(io.BytesIO(data)) as image:
+            expected = compose(image.convert("RGB"))
+        torch.manual_seed(seed)
+        assert torch.equal(transform.batch([transform.pixels(data)])[0], expected), seed
+    assert sum(u is not None for u in used) >= len(used) // 2, used
+
+    # a cut file, or one whose Huffman table libjpeg rejects (Image.open does not parse it),
+    # fails as a full decode fails, even where the crop lies above the damage
+    header = Image.open(io.BytesIO(noise)).fp.tell()
+    dht = noise.index(b"\xff\xc4")
+    bad_table = noise[:dht + 4] + b"\x2f" + noise[dht + 5:]  # table index 15: JERR_DHT_INDEX
+    for broken in (noise[:len(noise) // 2], noise[:-2], noise[:header - 3], bad_table):
+        for seed in range(4):
+            torch.manual_seed(seed)
+            with pytest.raises(OSError):
+                transform.pixels(broken)
+
+
 def test_shards_have_no_pax_headers(tmp_path):
     """Bug caught: a float mtime in the writer adds a PAX header to every member, which
     doubled the cost of reading the shards (Python's tarfile parses each header)."""

@@ -96,6 +96,8 @@ class ImageTransform:
         self.geometry = list(geometry)
         self.mean, self.std = tuple(mean), tuple(std)
         self.reduced_decode, self.decoder = reduced_decode, decoder
+        # RandomResizedCrop first (not a subclass: its draw is repeated here): decode to the crop.
+        self._crop_first = bool(self.geometry) and type(self.geometry[0]) is T.RandomResizedCrop
         self.decode_device = None if decode_device is None else torch.device(decode_device)
         # torchvision's Normalize makes these from the tuples in the input's dtype: float32.
         self._mean = torch.tensor(self.mean, dtype=torch.float32).view(-1, 1, 1)
@@ -124,6 +126,8 @@ class ImageTransform:
             image, steps = data.convert("RGB") if data.mode != "RGB" else data, self.geometry
         elif self.reduced_decode:
             image, steps = self._decode_reduced(data)
+        elif self._crop_first:
+            image, steps = self._decode_to_crop(data)
         else:
             image, steps = self.decode(data), self.geometry
         for step in steps:
@@ -235,6 +239,24 @@ class ImageTransform:
             self._stats[device] = (self._mean.to(device), self._std.to(device))
         return self._stats[device]
 
+    # ------------------------------------------------------------ decoding to the crop
+    def _decode_to_crop(self, data: bytes) -> tuple[Image.Image, list[Callable]]:
+        """RandomResizedCrop first: draw the crop on the header's size (the draw the transform
+        makes), decode only the JPEG's rows down to the crop's bottom edge
+        (:func:`_jpeg_rows`), then crop and resize with that draw: the pixels of a full
+        decode. Returns the image and the geometry still to apply."""
+        from torchvision import transforms as T
+        from torchvision.transforms import functional as F
+
+        first = self.geometry[0]
+        image = Image.open(io.BytesIO(data))  # reads the header, decodes nothing
+        top, left, height, width = T.RandomResizedCrop.get_params(image, first.scale, first.ratio)
+        rows = _jpeg_rows(image, data, top + height)
+        image = self._loaded(image) if rows is None else rows
+        crop = functools.partial(F.resized_crop, top=top, left=left, height=height, width=width, size=first.size,
+                                 interpolation=first.interpolation, antialias=first.antialias)
+        return image, [crop, *self.geometry[1:]]
+
     # ------------------------------------------------------------ reduced decoding
     def _decode_reduced(self, data: bytes) -> tuple[Image.Image, list[Callable]]:
         """Open lazily, pick the reduction from the first geometry step, decode; returns the
@@ -274,6 +296,46 @@ class ImageTransform:
     def _loaded(image: Image.Image) -> Image.Image:
         image.load()
         return image if image.mode == "RGB" else image.convert("RGB")  # convert() of RGB is a copy
+
+
+def _jpeg_rows(image: Image.Image, data: bytes, rows: int) -> Image.Image | None:
+    """The top ``rows`` rows of a baseline RGB JPEG (``image``: ``data`` opened,
+    not loaded), or ``None`` where this does not apply (the caller decodes in full).
+
+    Pillow's own JPEG decoder (libjpeg-turbo), stopped after ``rows`` scanlines: libjpeg
+    emits scanlines top to bottom and a scanline does not depend on those after it, so these
+    are the pixels of a full decode, bit for bit; the entropy decoding, IDCT and colour
+    conversion of the rows below are skipped (RandomResizedCrop's crop ends on average at
+    84 % of the height on ImageNet-shaped images). Not for progressive files (libjpeg reads
+    all of their scans before the first row anyway) and not for files that do not end with
+    the EOI marker: a truncated file must still fail as a full decode fails. The header is
+    fed first, so a broken header is left to the full decode to report too; damage inside
+    the entropy-coded data below ``rows`` goes unnoticed (what is used is decoded).
+    """
+    if (image.format != "JPEG" or image.mode != "RGB" or not 0 < rows < image.height or "progressive" in image.info
+            or len(image.tile) != 1 or image.tile[0][0] != "jpeg" or image.tile[0][2] != 0
+            or not data.endswith(b"\xff\xd9")):
+        return None
+    header = image.fp.tell()  # Image.open stopped reading after the first scan header
+    out = Image.core.new("RGB", (image.width, rows))  # (Pillow's decoder takes whole rows only)
+    decoder = Image._getdecoder("RGB", "jpeg", image.tile[0][3], ())
+    view = memoryview(data)
+    try:
+        decoder.setimage(out, (0, 0, image.width, rows))
+        # The headers alone first: libjpeg parses them and sets up the decompression, then
+        # waits for data. Anything less (an error; a header it did not take whole) is left
+        # to the full decode: the scan below then runs on a header that was accepted.
+        consumed, _ = decoder.decode(view[:header])
+        if consumed != header:
+            return None
+        # libjpeg's finish, called after `rows` scanlines, objects to the rows left unread
+        # (IMAGING_CODEC_BROKEN, -2) once those rows are written; consumed >= 0: out of data.
+        status, err = decoder.decode(view[consumed:])
+    except (OSError, ValueError):
+        return None
+    finally:
+        decoder.cleanup()
+    return image._new(out) if status < 0 and err in (0, -2) else None
 
 
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:
