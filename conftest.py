@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,20 @@ from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
 ROOT = Path(__file__).resolve().parent
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every process the tests start finds this interpreter's tools first (``torchrun``,
+    ``accelerate``, ``deepspeed``, ``ninja``), as in an activated virtualenv, whether or not
+    pytest was started from one. Why it matters beyond finding the commands: DeepSpeed
+    JIT-builds its CPU shared-memory op with the ``ninja`` on ``PATH``, and the venv's
+    ``ninja`` (pip, 1.13) and Debian's (1.11) hash the same build command differently, so tests
+    that alternated the two rebuilt the op each time (35-70 s a rebuild; two in one
+    ``make test`` on 2026-11-24)."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + path
 
 
 def _free_port() -> int:
