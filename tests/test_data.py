@@ -506,6 +506,56 @@ def test_decoding_down_to_the_crop_gives_the_pixels_of_a_full_decode(monkeypatch
                 transform.pixels(broken)
 
 
+
+def test_tar_reader_reads_what_webdataset_reads(tmp_path, synth_shards, monkeypatch):
+    """Bugs caught: the fast ustar reader losing a member, a long (prefixed) name, the padding
+    after a member, or a sample's grouping; PAX, GNU or compressed shards (written by other
+    tools, or by distnorm-shards before 2026-11-23) read differently from WebDataset; a shard
+    cut inside a member or a header read as if whole."""
+    import tarfile
+
+    from distnorm.data import tars
+
+    def both(urls: list[str]) -> tuple[list[dict], list[dict]]:
+        def reraise(err):
+            raise err
+        return (list(wds.DataPipeline(wds.SimpleShardList(urls), wds.tarfile_to_samples(handler=reraise))),
+                list(wds.DataPipeline(wds.SimpleShardList(urls), tars.tarfile_to_samples(reraise))))
+
+    root, index = synth_shards
+    plain, fast = both(index.local_urls(root))
+    assert len(fast) == index.total and fast == plain
+    fallback = wds.tariterators.tar_file_iterator
+    monkeypatch.setattr(wds.tariterators, "tar_file_iterator", None)  # distnorm-shards' shards: no fallback
+    first = index.local_urls(root)[:1]
+    assert list(tars.tarfile_to_samples(None)([{"url": u} for u in first])) == fast[:index.shards[0].count]
+    monkeypatch.setattr(wds.tariterators, "tar_file_iterator", fallback)
+    for fmt in (tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        for mode in ("w", "w:gz"):
+            path = tmp_path / f"other-{fmt}-{mode[-2:]}.tar"
+            with tarfile.open(path, mode, format=fmt) as tar:
+                def add(name, data=b"", kind=tarfile.REGTYPE, mtime=0):
+                    info = tarfile.TarInfo(name)
+                    info.size, info.type, info.mtime = len(data), kind, mtime
+                    tar.addfile(info, io.BytesIO(data))
+                add("a_dir", kind=tarfile.DIRTYPE)
+                add("__meta__", b"skipped")
+                for i in range(4):
+                    add(f"k{i}.jpg", bytes(range(256)) * (3 * i) + b"x" * i)  # 0 to 772 bytes
+                    add(f"k{i}.cls", str(i).encode(), mtime=1.5 if fmt == tarfile.PAX_FORMAT else 0)
+                add("p" * 120 + "/k.txt" if fmt == tarfile.USTAR_FORMAT else "long/" + "n" * 150 + ".txt", b"named")
+            plain, fast = both([str(path)])
+            assert len(fast) == 5 and fast == plain, (fmt, mode)
+    # cut inside a member's data, inside a header: an error naming the shard
+    shard = Path(index.local_urls(root)[0])
+    whole = shard.read_bytes()
+    for cut in _cut_points(shard):
+        (tmp_path / "cut.tar").write_bytes(whole[:cut])
+        errors = []
+        list(tars.tarfile_to_samples(lambda err: errors.append(err) or True)([{"url": str(tmp_path / "cut.tar")}]))
+        assert len(errors) == 1 and errors[0].args[-1] == str(tmp_path / "cut.tar"), (cut, errors)
+
+
 def test_shards_have_no_pax_headers(tmp_path):
     """Bug caught: a float mtime in the writer adds a PAX header to every member, which
     doubled the cost of reading the shards (Python's tarfile parses each header)."""

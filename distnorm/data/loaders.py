@@ -41,6 +41,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distnorm.data.index import ShardIndex
+from distnorm.data.tars import tarfile_to_samples
 from distnorm.data.transforms import TRANSFORM_PRESETS, ImageTransform, batch_tensor, build_transform
 
 __all__ = [
@@ -323,7 +324,7 @@ class _TrainStream(IterableDataset):
             wds.ResampledShards(self.urls, seed=stream_seed, deterministic=True, worker_seed=lambda: 0),
             split_by_rank,
             split_by_worker,
-            wds.tarfile_to_samples(handler=log.tar_handler),
+            tarfile_to_samples(log.tar_handler),
             watch_class_order,
             functools.partial(_shuffle_on_demand, bufsize=self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000),
                               seed=role_seed, demand=demand),
@@ -510,7 +511,7 @@ class _EvalStream(IterableDataset):
         if urls:
             pipeline = wds.DataPipeline(
                 wds.SimpleShardList(urls),
-                wds.tarfile_to_samples(handler=log.tar_handler),
+                tarfile_to_samples(log.tar_handler),
                 decode,
                 wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform), partial=True),
             )
