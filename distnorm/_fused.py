@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from types import ModuleType
 from typing import Callable, Optional
 
@@ -206,10 +207,36 @@ def _triton_kernels() -> ModuleType | None:
     return _triton
 
 
+_TRITON_FAILED: list[str] = []  # the first launch error, once one happened (then the composite only)
+
+
 def triton_enabled() -> bool:
     """Whether CUDA tensors take the Triton kernels (Triton importable, ``DISTNORM_TRITON``
-    not ``0``)."""
-    return os.environ.get("DISTNORM_TRITON", "1") != "0" and _triton_kernels() is not None
+    not ``0``, no launch has failed in this process)."""
+    return (os.environ.get("DISTNORM_TRITON", "1") != "0" and not _TRITON_FAILED
+            and _triton_kernels() is not None)
+
+
+def _on_one_device(first: Tensor, *others: Optional[Tensor]) -> bool:
+    """Every tensor on ``first``'s device: a Triton kernel reads raw pointers, where ATen would
+    have accepted a CPU 0-dim tensor (a user's ``eta`` in the functional API) as a scalar."""
+    return all(t is None or t.device == first.device for t in others)
+
+
+def _triton_or_composite(name: str, triton_call: Callable[[], tuple], composite_call: Callable[[], tuple]) -> tuple:
+    """``triton_call()``; if Triton cannot compile or launch here (no C compiler or CUDA
+    driver library for its launcher, an unsupported GPU), warn once and use the composite from
+    then on. Such errors are raised on the host before the kernel runs, so no buffer was
+    written and the composite computes the same step."""
+    try:
+        return triton_call()
+    except Exception as err:  # noqa: BLE001 - any launch failure: fall back, loudly
+        _TRITON_FAILED.append(f"{type(err).__name__}: {err}")
+        warnings.warn(f"distnorm: the Triton kernel of distnorm::{name} failed to launch ({_TRITON_FAILED[0]}); "
+                      "using the ATen composite for the fused operators from now on (same values to 1e-6, more "
+                      "launches). Set DISTNORM_TRITON=0 to choose the composite without trying Triton.",
+                      RuntimeWarning, stacklevel=2)
+        return composite_call()
 
 
 _LIB = torch.library.Library("distnorm", "FRAGMENT")
@@ -248,13 +275,15 @@ def _cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], host_count: in
                               rho, r_max, history, amat_ready)
 
 
-def _triton_takes_plan(mean: Tensor, count: Optional[Tensor], host_count: int, buffers: tuple[Tensor, ...]) -> bool:
-    """The Triton kernel's cases: float32 statistics and buffers, contiguous vectors, and a
-    host count only when the batch is valid (the degenerate local case keeps the composite)."""
+def _triton_takes_plan(mean: Tensor, count: Optional[Tensor], host_count: int, buffers: tuple[Tensor, ...],
+                       others: tuple[Tensor, ...]) -> bool:
+    """The Triton kernel's cases: float32 statistics and buffers, contiguous vectors, every
+    tensor on the statistics' device, and a host count only when the batch is valid (the
+    degenerate local case keeps the composite)."""
     vectors = (mean, *buffers) + (() if count is None else (count,))
     return (mean.dtype == torch.float32 and all(b.dtype == torch.float32 for b in buffers)
             and all(v.is_contiguous() for v in vectors) and (count is not None or host_count > 1)
-            and triton_enabled())
+            and _on_one_device(mean, count, *buffers, *others) and triton_enabled())
 
 
 def _cbn_plan_cuda(mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var,
@@ -262,11 +291,15 @@ def _cbn_plan_cuda(mean, var, count, host_count, valid_known, weight, bias, eta,
                    history, amat_ready):
     args = (mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var, amat_initialized,
             running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max, history, amat_ready)
-    if not _triton_takes_plan(mean, count, host_count, (amat_mean, amat_var, running_mean, running_var)):
+    if not _triton_takes_plan(mean, count, host_count, (amat_mean, amat_var, running_mean, running_var),
+                              (var, weight, bias, eta, amat_initialized, num_batches_tracked)):
         return cbn_plan_composite(*args)
-    return _triton_kernels().cbn_plan(mean, var, count, host_count, weight.contiguous(), bias.contiguous(), eta,
-                                      amat_mean, amat_var, amat_initialized, running_mean, running_var,
-                                      num_batches_tracked, eps, momentum, rho, r_max, history)
+    return _triton_or_composite(
+        "cbn_plan",
+        lambda: _triton_kernels().cbn_plan(mean, var, count, host_count, weight.contiguous(), bias.contiguous(), eta,
+                                           amat_mean, amat_var, amat_initialized, running_mean, running_var,
+                                           num_batches_tracked, eps, momentum, rho, r_max, history),
+        lambda: cbn_plan_composite(*args))
 
 
 def _cbn_plan_fake(mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var,
@@ -299,9 +332,13 @@ def _cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tenso
 
 
 def _cbn_param_grads_cuda(s1, t, beta_coef, grad_scale, inv_rho):
-    if s1.dtype != torch.float32 or not triton_enabled():
+    if s1.dtype != torch.float32 or not _on_one_device(s1, t, beta_coef, grad_scale) or not triton_enabled():
         return _cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
-    return _triton_kernels().cbn_param_grads(s1.contiguous(), t.contiguous(), beta_coef, grad_scale, inv_rho)
+    return _triton_or_composite(
+        "cbn_param_grads",
+        lambda: _triton_kernels().cbn_param_grads(s1.contiguous(), t.contiguous(), beta_coef.contiguous(),
+                                                  grad_scale.contiguous(), inv_rho),
+        lambda: _cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho))
 
 
 def _cbn_param_grads_fake(s1, t, beta_coef, grad_scale, inv_rho):
@@ -324,9 +361,12 @@ def _shift_slope(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _shift_slope_cuda(grad_coef, sums):
-    if sums.dtype != torch.float32 or not triton_enabled():
+    if sums.dtype != torch.float32 or not _on_one_device(sums, grad_coef) or not triton_enabled():
         return _shift_slope_composite(grad_coef, sums)
-    return _triton_kernels().shift_slope(grad_coef.contiguous(), sums.contiguous())
+    return _triton_or_composite(
+        "shift_slope",
+        lambda: _triton_kernels().shift_slope(grad_coef.contiguous(), sums.contiguous()),
+        lambda: _shift_slope_composite(grad_coef, sums))
 
 
 def _shift_slope_fake(grad_coef, sums):

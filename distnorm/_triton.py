@@ -2,7 +2,9 @@
 
 One program walks every channel in blocks, so the scalars a step also updates (the AMAT
 flag, ``num_batches_tracked``) are read before and written after every channel in the same
-program: no race between programs, and one launch per step. Each kernel is the
+program: no race between programs, a barrier between the program's warps before the
+scalars are stored, and one launch per step. Each launch runs on its tensors' device
+(``torch.cuda.device``), whatever the current device is. Each kernel is the
 composite of :mod:`distnorm._fused` written element-wise, in the same order of operations
 (``torch.lerp``'s two-sided formula included); ``tests/test_fused.py`` runs every kernel
 through Triton's interpreter on the CPU against the composite.
@@ -12,6 +14,8 @@ meets a supported case, so a machine without Triton never loads it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -27,6 +31,12 @@ BLOCK = 1024
 def _lerp(start, end, weight):
     """``torch.lerp`` (ATen's ``lerp`` in ``Lerp.h``): the formula switches at 0.5."""
     return tl.where(tl.abs(weight) < 0.5, start + weight * (end - start), end - (end - start) * (1.0 - weight))
+
+
+@triton.jit
+def _clamp(x, lo, hi):
+    """``torch.clamp``: NaN stays NaN (compiled ``tl.maximum`` / ``tl.minimum`` would drop it)."""
+    return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -76,11 +86,11 @@ def _cbn_plan_kernel(
             var_u = _lerp(var_b, var_a, eta)
             inv_s = tl.div_rn(1.0, tl.sqrt_rn(var_b + eps))
             invstd = tl.div_rn(1.0, tl.sqrt_rn(var_u + eps))
-            r_sig = tl.minimum(tl.maximum(tl.div_rn(inv_s, invstd), r_min), r_max)
+            r_sig = _clamp(tl.div_rn(inv_s, invstd), r_min, r_max)
             q = r_sig * inv_s
             ratio = tl.div_rn(mu_u, mu_b)
             meaningful = (ratio > 0) & ((var_x - 100.0 * mu_b * mu_b) < -eps)
-            r_mu = tl.where(meaningful, tl.minimum(tl.maximum(ratio, r_min), r_max), 1.0)
+            r_mu = tl.where(meaningful, _clamp(ratio, r_min, r_max), 1.0)
             center = mu_u - beta
             w = center + r_mu * d
         else:
@@ -120,6 +130,9 @@ def _cbn_plan_kernel(
         run_var = tl.load(run_var_ptr + offs, mask=m, other=1.0)
         tl.store(run_mean_ptr + offs, tl.where(valid, _lerp(run_mean, mu_b, run_weight), run_mean), mask=m)
         tl.store(run_var_ptr + offs, tl.where(valid, _lerp(run_var, var_unbiased, run_weight), run_var), mask=m)
+    # Every thread of the program loaded the two scalars at entry; the stores below come
+    # from one thread, so wait until all warps are past the loop (and so past those loads).
+    tl.debug_barrier()
     tl.store(amat_init_ptr, initialized | valid)
     tl.store(nbt_ptr, nbt_new)
 
@@ -160,6 +173,12 @@ KERNELS = {"cbn_plan": _cbn_plan_kernel, "cbn_param_grads": _cbn_param_grads_ker
            "shift_slope": _shift_slope_kernel}
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for the launch: Triton launches on the current CUDA device and
+    its current stream, not on its tensors' device (CPU tensors: the interpreter, tests)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _block(channels: int) -> int:
     return min(BLOCK, max(16, triton.next_power_of_2(max(channels, 1))))
 
@@ -174,15 +193,16 @@ def cbn_plan(mean, var, count, host_count, weight, bias, eta, amat_mean, amat_va
     grad_coef = empty(2, 2, channels)
     device_count = count is not None
     n = float(max(host_count, 1))
-    kernels["cbn_plan"][(1,)](
-        mean, var, count if device_count else mean, weight, bias, eta,
-        amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked,
-        center, var_u, invstd, a, grad_coef, beta_coef,
-        channels, -1.0 / n, host_count / max(host_count - 1, 1), eps,
-        0.0 if momentum is None else momentum, 1.0 / rho, 1.0 / r_max, r_max,
-        HISTORY=history, DEVICE_COUNT=device_count, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
-        BLOCK_C=_block(channels),
-    )
+    with _on(mean.device):
+        kernels["cbn_plan"][(1,)](
+            mean, var, count if device_count else mean, weight, bias, eta,
+            amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked,
+            center, var_u, invstd, a, grad_coef, beta_coef,
+            channels, -1.0 / n, host_count / max(host_count - 1, 1), eps,
+            0.0 if momentum is None else momentum, 1.0 / rho, 1.0 / r_max, r_max,
+            HISTORY=history, DEVICE_COUNT=device_count, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
+            BLOCK_C=_block(channels),
+        )
     return center, var_u, invstd, a, grad_coef, beta_coef
 
 
@@ -191,8 +211,9 @@ def cbn_param_grads(s1, t, beta_coef, grad_scale, inv_rho, kernels=KERNELS):
     channels = s1.shape[0]
     sums = torch.empty(2, channels, dtype=s1.dtype, device=s1.device)
     grad_w, grad_b = torch.empty_like(s1), torch.empty_like(s1)
-    kernels["cbn_param_grads"][(1,)](s1, t, beta_coef, grad_scale, sums, grad_w, grad_b, channels, inv_rho,
-                                     BLOCK_C=_block(channels))
+    with _on(s1.device):
+        kernels["cbn_param_grads"][(1,)](s1, t, beta_coef, grad_scale, sums, grad_w, grad_b, channels, inv_rho,
+                                         BLOCK_C=_block(channels))
     return sums, grad_w, grad_b
 
 
@@ -200,5 +221,6 @@ def shift_slope(grad_coef, sums, kernels=KERNELS):
     """The CUDA kernel of ``distnorm::shift_slope``."""
     channels = sums.shape[1]
     shift, slope = torch.empty_like(sums[0]), torch.empty_like(sums[0])
-    kernels["shift_slope"][(1,)](grad_coef, sums, shift, slope, channels, BLOCK_C=_block(channels))
+    with _on(sums.device):
+        kernels["shift_slope"][(1,)](grad_coef, sums, shift, slope, channels, BLOCK_C=_block(channels))
     return shift, slope

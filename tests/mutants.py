@@ -162,6 +162,22 @@ MUTANTS: list[Mutant] = [
         ("tests/test_fused.py::test_triton_plan_kernel_equals_composite[device_count_masked]",),
     ),
     Mutant(
+        "triton-takes-other-devices",
+        "The fused operators' CUDA (Triton) kernels get only tensors on their device (a CPU eta stays with the composite)",
+        "distnorm/_fused.py",
+        "    return all(t is None or t.device == first.device for t in others)\n",
+        "    return True\n",
+        ("tests/test_fused.py::test_triton_takes_only_tensors_on_the_statistics_device",),
+    ),
+    Mutant(
+        "triton-failure-not-caught",
+        "A Triton that cannot launch here falls back to the composite (warned once)",
+        "distnorm/_fused.py",
+        "    except Exception as err:  # noqa: BLE001 - any launch failure: fall back, loudly\n",
+        "    except ImportError as err:  # noqa: BLE001 - any launch failure: fall back, loudly\n",
+        ("tests/test_fused.py::test_a_triton_launch_failure_falls_back_to_the_composite_once_and_for_all",),
+    ),
+    Mutant(
         "fusion-bypassed",
         "CBN's per-channel step is one operator (launch cost: CBN <= 20 ops per layer-step)",
         "distnorm/_functions.py",

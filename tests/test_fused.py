@@ -29,20 +29,22 @@ CASES = {  # name: keyword arguments of _plan_args
     "cumulative_momentum": dict(history=True, device_count=True, momentum=None),
     "popnorm": dict(history=False, device_count=True, rho=1.0, r_max=1.0),
     "bf16_parameters": dict(history=True, param_dtype=torch.bfloat16),
+    # more channels than one block (1024): ResNet-50's 2048 and a partial third block
+    "many_channels": dict(history=True, device_count=True, channels=2100),
 }
 
 
 def _plan_args(*, history, device_count=False, masked=False, initialized=True, momentum=0.1, rho=1.5, r_max=2.0,
-               param_dtype=torch.float32, device="cpu", seed=0) -> tuple:
+               param_dtype=torch.float32, device="cpu", seed=0, channels=C) -> tuple:
     """Arguments of ``distnorm::cbn_plan``: batch statistics with means near zero and far
     from it (both branches of ``r_mu``), every buffer, a count on the host or the device."""
-    g = torch.Generator().manual_seed(seed)
-    mean = torch.randn(C, generator=g) * torch.tensor([0.01, 3.0]).repeat(C // 2)
-    var = torch.rand(C, generator=g) + 0.1
-    weight, bias = (torch.rand(C, generator=g) + 0.5).to(param_dtype), (torch.randn(C, generator=g) * 0.3).to(param_dtype)
-    buffers = [torch.randn(C, generator=g), torch.rand(C, generator=g) + 0.5, torch.tensor(initialized),
-               torch.randn(C, generator=g), torch.rand(C, generator=g) + 0.5, torch.tensor(3)]
-    count = torch.full((C,), 1.0 if masked else 512.0) if device_count else None
+    g, c = torch.Generator().manual_seed(seed), channels
+    mean = torch.randn(c, generator=g) * torch.tensor([0.01, 3.0]).repeat(c // 2)
+    var = torch.rand(c, generator=g) + 0.1
+    weight, bias = (torch.rand(c, generator=g) + 0.5).to(param_dtype), (torch.randn(c, generator=g) * 0.3).to(param_dtype)
+    buffers = [torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5, torch.tensor(initialized),
+               torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5, torch.tensor(3)]
+    count = torch.full((c,), 1.0 if masked else 512.0) if device_count else None
     args = (mean, var, count, -1 if device_count else 512, device_count and not masked, weight, bias,
             torch.tensor(0.6), *buffers, 1e-5, momentum, rho, r_max, history, False)
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
@@ -106,6 +108,29 @@ def test_triton_backward_kernels_equal_composite(interpreted):
     coef, sums = torch.randn(2, 2, C, generator=g), torch.randn(2, C, generator=g)
     _assert_close(interpreted.shift_slope(coef, sums, kernels=interpreted.KERNELS),
                   torch.ops.distnorm.shift_slope(coef, sums))
+
+
+def test_a_triton_launch_failure_falls_back_to_the_composite_once_and_for_all(monkeypatch):
+    """Bug caught: a Triton that imports but cannot build its launcher or compile here (no C
+    compiler, no libcuda for it, an unsupported GPU) crashing the first training step."""
+    monkeypatch.setattr(_fused, "_TRITON_FAILED", [])
+
+    def launch():
+        raise RuntimeError("Failed to find C compiler")
+
+    with pytest.warns(RuntimeWarning, match="distnorm::cbn_plan failed to launch .*Failed to find C compiler"):
+        assert _fused._triton_or_composite("cbn_plan", launch, lambda: ("composite",)) == ("composite",)
+    assert not _fused.triton_enabled()  # from now on: the composite, without trying again
+
+
+def test_triton_takes_only_tensors_on_the_statistics_device():
+    """Bug caught: a CPU 0-dim ``eta`` (the functional API passes a user's through) handed to
+    the CUDA kernel as a pointer. (``meta`` stands in for the CUDA device.)"""
+    mean, buffers = torch.empty(C, device="meta"), tuple(torch.empty(C, device="meta") for _ in range(4))
+    on_meta = (torch.empty(C, device="meta"), torch.empty((), device="meta"))
+    assert _fused._on_one_device(mean, None, *buffers, *on_meta)
+    assert not _fused._on_one_device(mean, None, *buffers, torch.tensor(0.5))
+    assert not _fused._triton_takes_plan(mean, None, 512, buffers, (torch.tensor(0.5),))
 
 
 def test_operators_are_well_formed_for_torch_compile():
