@@ -281,7 +281,10 @@ class ImageTransform:
             factor = _reduction(min(h / out_h, w / out_w))
             if factor > 1:
                 image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
-            image = self._loaded(image)
+                image = self._loaded(image)
+            else:  # no reduction: the decode stops at the crop's bottom edge, as without reduced_decode
+                rows = _jpeg_rows(image, data, top + h)
+                image = self._loaded(image) if rows is None else rows
             if factor == 1:  # exactly what RandomResizedCrop does with this draw
                 crop = functools.partial(F.resized_crop, top=top, left=left, height=h, width=w, size=[out_h, out_w],
                                          interpolation=first.interpolation, antialias=first.antialias)
@@ -318,7 +321,7 @@ def _jpeg_rows(image: Image.Image, data: bytes, rows: int) -> Image.Image | None
     the entropy-coded data below ``rows`` goes unnoticed (what is used is decoded).
     """
     if (image.format != "JPEG" or image.mode != "RGB" or not 0 < rows < image.height or "progressive" in image.info
-            or len(image.tile) != 1 or image.tile[0][0] != "jpeg" or image.tile[0][2] != 0
+            or image.decoderconfig or len(image.tile) != 1 or image.tile[0][0] != "jpeg" or image.tile[0][2] != 0
             or not data.endswith(b"\xff\xd9")):
         return None
     header = image.fp.tell()  # Image.open stopped reading after the first scan header
