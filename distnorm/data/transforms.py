@@ -324,9 +324,13 @@ def _jpeg_rows(image: Image.Image, data: bytes, rows: int) -> Image.Image | None
             or image.decoderconfig or len(image.tile) != 1 or image.tile[0][0] != "jpeg" or image.tile[0][2] != 0
             or not data.endswith(b"\xff\xd9")):
         return None
-    header = image.fp.tell()  # Image.open stopped reading after the first scan header
-    out = Image.core.new("RGB", (image.width, rows))  # (Pillow's decoder takes whole rows only)
-    decoder = Image._getdecoder("RGB", "jpeg", image.tile[0][3], ())
+    try:  # Pillow's decoder interface (what ImageFile.load uses), not its public API:
+        # should a Pillow release change it, every image takes the full decode instead.
+        header = image.fp.tell()  # Image.open stopped reading after the first scan header
+        out = Image.core.new("RGB", (image.width, rows))  # (Pillow's decoder takes whole rows only)
+        decoder = Image._getdecoder("RGB", "jpeg", image.tile[0][3], ())
+    except (AttributeError, TypeError, OSError, ValueError):
+        return None
     view = memoryview(data)
     try:
         decoder.setimage(out, (0, 0, image.width, rows))
@@ -339,7 +343,7 @@ def _jpeg_rows(image: Image.Image, data: bytes, rows: int) -> Image.Image | None
         # libjpeg's finish, called after `rows` scanlines, objects to the rows left unread
         # (IMAGING_CODEC_BROKEN, -2) once those rows are written; consumed >= 0: out of data.
         status, err = decoder.decode(view[consumed:])
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     finally:
         decoder.cleanup()
