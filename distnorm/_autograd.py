@@ -14,7 +14,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distnorm import _ops
-from distnorm._functions import NormState, _acc, forward_output
+from distnorm._functions import NormState, forward_output
+from distnorm._fused import to_dtype
 
 __all__ = ["NormalizeFunction"]
 
@@ -51,8 +52,8 @@ class NormalizeFunction(torch.autograd.Function):
             beta_coef, need_x, ctx.state)
         return (
             grad_x if need_x else None,
-            _acc(grad_w, ctx.weight_dtype) if need_w else None,
-            _acc(grad_b, ctx.bias_dtype) if need_b else None,
+            to_dtype(grad_w, ctx.weight_dtype) if need_w else None,
+            to_dtype(grad_b, ctx.bias_dtype) if need_b else None,
             None, None, None, None, None, None, None,
         )
 

@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import _acc
+from distnorm._fused import to_dtype
 from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm.specs import BNPSpec
 
@@ -189,10 +189,10 @@ def bnp_precondition(
     else:
         mu, vt = mu.view(1, -1), vt.view(1, -1)
     denominator = (vt * q2).view((-1,) + shape[1:]) if groups > 1 else (vt * q2).view((1,) + shape[1:])
-    gw = _acc(grad_weight, compute)
+    gw = to_dtype(grad_weight, compute)
     if grad_bias is None:
         return (gw / denominator).to(grad_weight.dtype), None
-    gb = _acc(grad_bias, compute)
+    gb = to_dtype(grad_bias, compute)
     # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
     # backward at one extra weight gradient per layer).
     new_w = torch.addcmul(gw, mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)

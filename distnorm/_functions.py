@@ -60,7 +60,7 @@ import torch
 
 from distnorm import _collectives, _fused
 from distnorm._collectives import ProcessGroup, constant
-from distnorm._fused import grad_coef_of, neg_inverse_count, update_running
+from distnorm._fused import grad_coef_of, neg_inverse_count, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
 __all__ = [
@@ -172,11 +172,6 @@ class NormPlan(NamedTuple):
     beta_coef: torch.Tensor
 
 
-def _acc(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``t`` in ``dtype`` (no op when it already is)."""
-    return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
 def _begin(x: torch.Tensor, state: Any, replay: bool) -> Any:
     """A recomputed forward (activation checkpointing) reuses the first forward's plan."""
     if replay and in_backward():
@@ -218,10 +213,10 @@ def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: to
     if group is None:
         # Local: ATen's training backward does all of it (normalize_backward), given the
         # weight in the accumulation dtype (ones without affine) as grad_scale.
-        a = _acc(weight, acc) if weight is not None else one
+        a = to_dtype(weight, acc) if weight is not None else one
         grad_coef = _ZEROS.get((2, 2, channels), acc, mean.device)
     else:
-        a = invstd * _acc(weight, acc) if weight is not None else invstd
+        a = invstd * to_dtype(weight, acc) if weight is not None else invstd
         grad_coef = grad_coef_of(neg_inverse_count(a, count), invstd, one, mean)
     plan = NormPlan(mean, var, invstd, a, grad_coef, _ZEROS.get((0,), acc, mean.device))
     update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
@@ -307,9 +302,9 @@ def forward_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
         return torch.empty_like(x)
     acc = center.dtype
     if state.kind == "bn":
-        scale, shift = _acc(weight, acc), _acc(bias, acc)
+        scale, shift = to_dtype(weight, acc), to_dtype(bias, acc)
     else:
-        scale = _acc(weight, acc) if state.rho == 1.0 else _acc(weight, acc) * (1.0 / state.rho)
+        scale = to_dtype(weight, acc) if state.rho == 1.0 else to_dtype(weight, acc) * (1.0 / state.rho)
         shift = None
     return torch.ops.aten.native_batch_norm(x, scale, shift, center, var, False, 0.0, state.eps)[0]
 

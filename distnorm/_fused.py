@@ -44,12 +44,13 @@ from torch import Tensor
 from distnorm._collectives import constant
 
 __all__ = ["blend", "cbn_param_grads", "cbn_plan", "cbn_plan_composite", "grad_coef_of", "neg_inverse_count",
-           "shift_slope", "triton_enabled", "update_running"]
+           "shift_slope", "to_dtype", "triton_enabled", "update_running"]
 
 
 # ------------------------------------------------------------------------- helpers
-def _acc(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
+def to_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """``t`` in ``dtype`` (no op when it already is, or when ``t`` is None)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def grad_coef_of(u_neg: Tensor, q: Tensor, r_mu: Tensor, w: Tensor) -> Tensor:
@@ -74,7 +75,7 @@ def blend(buffers: list[Tensor], new: list[Tensor], weight: float | Tensor, vali
     (multi-tensor) operation, so ranks that take different forms still hold bit-identical
     buffers.
     """
-    new = [_acc(n, b.dtype) for n, b in zip(new, buffers)]
+    new = [to_dtype(n, b.dtype) for n, b in zip(new, buffers)]
     if isinstance(weight, Tensor):  # the foreach ops take a scalar weight
         blended = [b.lerp(n, weight) for b, n in zip(buffers, new)]
     elif valid is True:
@@ -141,12 +142,12 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
     acc = mean.dtype
     channels = mean.shape[0]
     mu_b, var_x = mean, var
-    beta = _acc(bias, acc)
+    beta = to_dtype(bias, acc)
     one = constant(1.0, channels, acc, mean.device)
 
     if history:
-        eta_acc = _acc(eta, acc)
-        mu_a, var_a = _acc(amat_mean, acc), _acc(amat_var, acc)
+        eta_acc = to_dtype(eta, acc)
+        mu_a, var_a = to_dtype(amat_mean, acc), to_dtype(amat_var, acc)
         if not amat_ready:  # "update, then substitute" starts from this batch
             mu_a = torch.where(amat_initialized, mu_a, mu_b)
             var_a = torch.where(amat_initialized, var_a, torch.addcmul(var_x, beta, beta))
@@ -175,7 +176,7 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
         center = mu_b - beta
         w = mu_b  # (mu_U - beta) + d
 
-    a = invstd * _acc(weight, acc)
+    a = invstd * to_dtype(weight, acc)
     if rho != 1.0:
         a.mul_(1.0 / rho)
     grad_coef = grad_coef_of(neg_inverse_count(a, n), q, r_mu, w)

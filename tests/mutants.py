@@ -181,8 +181,8 @@ MUTANTS: list[Mutant] = [
         "jpeg-rows-one-short",
         "decoding down to the crop gives the pixels of a full decode (every row the crop needs)",
         "distnorm/data/transforms.py",
-        "        rows = _jpeg_rows(image, data, top + height)\n",
-        "        rows = _jpeg_rows(image, data, top + height - 1)\n",
+        "        image = self._loaded_to_row(image, data, top + height)\n",
+        "        image = self._loaded_to_row(image, data, top + height - 1)\n",
         ("tests/test_data.py::test_decoding_down_to_the_crop_gives_the_pixels_of_a_full_decode",),
     ),
     Mutant(

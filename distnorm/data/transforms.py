@@ -256,8 +256,7 @@ class ImageTransform:
         first = self.geometry[0]
         image = Image.open(io.BytesIO(data))  # reads the header, decodes nothing
         top, left, height, width = T.RandomResizedCrop.get_params(image, first.scale, first.ratio)
-        rows = _jpeg_rows(image, data, top + height)
-        image = self._loaded(image) if rows is None else rows
+        image = self._loaded_to_row(image, data, top + height)
         crop = functools.partial(F.resized_crop, top=top, left=left, height=height, width=width, size=first.size,
                                  interpolation=first.interpolation, antialias=first.antialias)
         return image, [crop, *self.geometry[1:]]
@@ -283,8 +282,7 @@ class ImageTransform:
                 image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
                 image = self._loaded(image)
             else:  # no reduction: the decode stops at the crop's bottom edge, as without reduced_decode
-                rows = _jpeg_rows(image, data, top + h)
-                image = self._loaded(image) if rows is None else rows
+                image = self._loaded_to_row(image, data, top + h)
             if factor == 1:  # exactly what RandomResizedCrop does with this draw
                 crop = functools.partial(F.resized_crop, top=top, left=left, height=h, width=w, size=[out_h, out_w],
                                          interpolation=first.interpolation, antialias=first.antialias)
@@ -299,6 +297,12 @@ class ImageTransform:
             if factor > 1:
                 image.draft("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
         return self._loaded(image), self.geometry
+
+    @classmethod
+    def _loaded_to_row(cls, image: Image.Image, data: bytes, bottom: int) -> Image.Image:
+        """``image``'s rows above ``bottom`` decoded (:func:`_jpeg_rows`), else the whole image."""
+        rows = _jpeg_rows(image, data, bottom)
+        return cls._loaded(image) if rows is None else rows
 
     @staticmethod
     def _loaded(image: Image.Image) -> Image.Image:
@@ -318,7 +322,11 @@ def _jpeg_rows(image: Image.Image, data: bytes, rows: int) -> Image.Image | None
     all of their scans before the first row anyway) and not for files that do not end with
     the EOI marker: a truncated file must still fail as a full decode fails. The header is
     fed first, so a broken header is left to the full decode to report too; damage inside
-    the entropy-coded data below ``rows`` goes unnoticed (what is used is decoded).
+    the entropy-coded data below ``rows`` goes unnoticed (what is used is decoded). One case
+    cannot be told apart: libjpeg reports its stop after ``rows`` scanlines and a fatal error
+    part-way through them with the same code, so a file whose scan data above ``rows`` makes
+    libjpeg give up (rare: most corruption is a warning, decoded as it is in a full decode)
+    yields rows it did not finish, where a full decode would raise.
     """
     if (image.format != "JPEG" or image.mode != "RGB" or not 0 < rows < image.height or "progressive" in image.info
             or image.decoderconfig or len(image.tile) != 1 or image.tile[0][0] != "jpeg" or image.tile[0][2] != 0
