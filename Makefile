@@ -26,8 +26,15 @@ system-deps: $(STAMP)
 # The docs build first (strict: a broken link, page or docstring reference fails), then the
 # tests, the docstring examples and every code block of README.md and docs/ (Sybil, conftest.py;
 # the shell commands through tests/test_docs.py).
+# TEST_WORKERS pytest processes (pytest-xdist), each test file whole on one of them
+# (--dist loadfile: a file's module fixtures -- the shared demo run, the simulated cluster --
+# are built once and never run twice at the same time). Most tests wait on their own
+# processes (ranks, launchers, timeouts) and use about one core; two workers fill two.
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: docs system-deps
-	$(PY) -m pytest -q -m "not cluster" --doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not cluster" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
+		--doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
 
 # The documentation site (MkDocs + Material, API reference from the docstrings) into site/.
 docs: $(STAMP)

@@ -16,6 +16,7 @@ The shell commands of the same pages are checked by tests/test_docs.py.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -56,7 +57,8 @@ def _setup(namespace: dict) -> None:
     namespace["__saved__"] = (os.getcwd(), {k: os.environ.get(k) for k in _ENV})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    os.chdir(tempfile.mkdtemp(prefix="distnorm-docs-"))
+    namespace["__workdir__"] = tempfile.mkdtemp(prefix="distnorm-docs-")
+    os.chdir(namespace["__workdir__"])
     torch.manual_seed(0)
 
 
@@ -73,6 +75,7 @@ def _teardown(namespace: dict) -> None:
         dist.destroy_process_group()
     cwd, env = namespace["__saved__"]
     os.chdir(cwd)
+    shutil.rmtree(namespace["__workdir__"], ignore_errors=True)
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
