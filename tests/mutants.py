@@ -441,6 +441,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_train.py::test_demo_path_end_to_end",),
     ),
     Mutant(
+        "slurm-job-not-requeued",
+        "a failed Slurm node requeues the job, which resumes",
+        "launch/slurm.sbatch",
+        "#SBATCH --requeue\n",
+        "#SBATCH --no-requeue\n",
+        ("tests/test_cluster.py::test_slurm_node_failure_requeues_and_resumes",),  # make test-cluster's test
+    ),
+    Mutant(
         "resume-ignores-position",
         "kill -9 and restart resumes exactly (mid-epoch)",
         "distnorm/train/loop.py",
@@ -598,7 +606,8 @@ def run_mutant(m: Mutant, files: list[str], work: Path, timeout: float) -> Resul
     else:
         problem = None
         try:
-            compile(target.read_text(), str(target), "exec")
+            if m.path.endswith(".py"):
+                compile(target.read_text(), str(target), "exec")
         except SyntaxError as err:
             problem = f"syntax error: {err}"
     if problem is not None:

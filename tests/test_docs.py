@@ -156,8 +156,10 @@ def layout(tmp_path_factory) -> Path:
                    '  [[ "$a" == --check ]] && { printf "%q " "$@" >> "$CHECK_LOG"; echo >> "$CHECK_LOG"; exit 0; }\n'
                    f'done\nexec {shlex.quote(PY)} "$@"'),
         "deepspeed": 'echo "deepspeed $*" >> "$LAUNCH_LOG"',
-        # one write: `scontrol ... | head -n 1` under pipefail must not see a SIGPIPE exit
-        "scontrol": '[[ "$1 $2" == "show hostnames" ]] && printf "node%03d\\n" $(seq 1 "$SLURM_NNODES")',
+        # The first host, a pause, then the rest, as a long list comes in several writes: a
+        # script that reads only the first line (`| head -n 1` under pipefail) dies of SIGPIPE.
+        "scontrol": ('[[ "$1 $2" == "show hostnames" ]] || exit 0\n'
+                     'printf "node%03d\\n" 1; sleep 0.3; printf "node%03d\\n" $(seq 2 "$SLURM_NNODES")'),
         "srun": 'while [[ "$1" == -* ]]; do shift; done\nexec "$@"',
     }
     for name, body in stubs.items():

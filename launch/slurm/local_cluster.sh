@@ -68,7 +68,7 @@ fi
 slurmctld
 slurmd
 for _ in $(seq 100); do
-  if sinfo -h -o '%t' 2>/dev/null | grep -qE 'idle|mix|alloc'; then
+  if sinfo -h -o '%t' 2>/dev/null | grep -E 'idle|mix|alloc' >/dev/null; then  # not -q: no SIGPIPE under pipefail
     echo "local Slurm cluster up: $HOST, $CPUS CPUs, partition debug"
     exit 0
   fi
