@@ -378,7 +378,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/data/loaders.py",
         "            if seen.get(url, 0) < self.counts[url] and url not in log.failed_shards:\n",
         "            if seen.get(url, 0) < 0:\n",
-        ("tests/test_data.py::test_truncated_shard",),
+        ("tests/test_data.py::test_truncated_webdataset_shard_is_reported_in_evaluation",),
     ),
     Mutant(
         "pax-headers-back",

@@ -306,6 +306,28 @@ def test_truncated_shard(bad_shards):
         assert sum(int(m.sum()) for _, _, m, _ in batches) == 7  # 6 + the one whole sample before the cut
 
 
+def test_truncated_webdataset_shard_is_reported_in_evaluation(bad_shards):
+    """Shards not written by ``distnorm-shards`` (here WebDataset's ``TarWriter``: a PAX
+    header per member) go through ``tarfile``, which takes a header cut short for the end of
+    the archive. Bug caught: evaluation not counting each shard's samples against the index,
+    so the samples after the cut are left out without a word (distnorm's own ustar reader
+    raises at the cut itself, which ``test_truncated_shard`` sees)."""
+    root, index, good = bad_shards
+    shard = root / "b-000001.tar"
+    _write_raw_shard(shard, [{"__key__": good.key(i), "jpg": good.jpeg(i), "cls": good.label(i)} for i in range(6, 12)])
+    assert b"ustar" in shard.read_bytes()[:512] and shard.read_bytes()[156:157] == b"x"  # a PAX header first
+    shard.write_bytes(shard.read_bytes()[:_cut_points(shard)[1]])
+    urls, short = index.local_urls(root)[:2], D.ShardIndex(index.classes, index.shards[:2])
+    with pytest.raises(D.DataError, match="b-000001.tar"):
+        list(D.EvalLoader(urls, index=short, batch_size=4, num_workers=0, transform="digits", image_size=16))
+    loader = D.EvalLoader(urls, index=short, batch_size=4, num_workers=0, transform="digits", image_size=16,
+                          on_error="skip")
+    with pytest.warns(UserWarning, match="b-000001.tar"):
+        batches = list(loader)
+    assert loader.skipped == 1 and len(batches) == len(loader) == 3
+    assert sum(int(m.sum()) for _, _, m, _ in batches) == 7  # 6 + the one whole sample before the cut
+
+
 def test_bad_arguments(synth_shards):
     root, index = synth_shards
     with pytest.raises(ValueError, match="rank"):
