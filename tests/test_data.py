@@ -700,3 +700,28 @@ def test_shuffle_buffer_reads_no_sample_the_epoch_does_not_use():
                 break
         assert demand.delivered == needed and len(pulled) == needed + len(failing & set(pulled))
         assert sorted(out) == pulled and out != pulled  # every sample read is used once, shuffled
+
+
+def test_batch_buffers_reused_only_once_nothing_refers_to_them(photo_shards):
+    """Workers write batches into shared buffers the main process gave back
+    (:mod:`distnorm.data.batches`). Bugs caught: a buffer given back while the batch, a view
+    of it or a NumPy array of it is still held (the kept values change under the caller);
+    buffers never reused (a fresh shared allocation per batch, the cost the pool removes)."""
+    urls, index = photo_shards
+    loader = D.TrainLoader(urls, num_samples=index.total, batch_size=1, num_workers=2, transform="imagenet",
+                           image_size=24, shuffle_buffer=8, seed=3, pin_memory=False)
+    capacity = 2 * (loader.prefetch_factor + 3)
+    assert len(loader) > capacity  # more batches than buffers: reuse is needed to stay pooled
+    expected = [x.clone() for x, _ in loader]  # each batch dropped at once: buffers come back
+    assert 2 <= loader.fresh_batch_buffers <= capacity  # 7 of 24 when written
+    kept = {
+        "batches": [x for x, _ in loader],
+        "views": [x[0, 1:, 3:9] for x, _ in loader],
+        "arrays": [x.numpy()[0, 0] for x, _ in loader],
+    }
+    assert loader.fresh_batch_buffers == len(loader)  # every batch held: nothing to reuse
+    for how, held in kept.items():
+        assert len(held) == len(expected), how
+        for want, got in zip(expected, held):
+            assert torch.equal(torch.as_tensor(got), want[0, 1:, 3:9] if how == "views" else
+                               want[0, 0] if how == "arrays" else want), how

@@ -40,6 +40,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from distnorm.data.batches import BatchPool, BatchReturns
 from distnorm.data.index import ShardIndex
 from distnorm.data.tars import tarfile_to_samples
 from distnorm.data.transforms import TRANSFORM_PRESETS, ImageTransform, batch_tensor, build_transform
@@ -179,16 +180,23 @@ def _decode(sample: dict, transform: Callable, log: _ErrorLog):
     return image, label, key
 
 
-def _collate(transform: Callable, rows: list[tuple]) -> tuple:
-    """``(images, labels, mask, keys)``; images in shared memory inside a worker."""
-    if isinstance(transform, ImageTransform):
-        images = transform.batch([r[0] for r in rows])
+def _collate(transform: Callable, pool: BatchPool | None, rows: list[tuple]) -> tuple:
+    """``(images, labels, mask, keys, lease)``; inside a worker the images are written into a
+    shared buffer from ``pool`` (``lease`` says which, for :meth:`BatchReturns.claim`)."""
+    images, lease = [r[0] for r in rows], None
+    if isinstance(transform, ImageTransform) and transform.decode_device is not None:
+        images = transform.batch(images)  # Deferred rows: decoded in the main process
     else:
-        first = rows[0][0]
-        images = torch.stack([r[0] for r in rows], out=batch_tensor((len(rows), *first.shape), first.dtype))
+        if isinstance(transform, ImageTransform):
+            shape, dtype = transform.batch_shape(images), torch.float32
+        else:
+            shape, dtype = (len(images), *images[0].shape), images[0].dtype
+        out, lease = pool.take(shape, dtype) if pool is not None else (batch_tensor(shape, dtype), None)
+        images = transform.batch(images, out=out) if isinstance(transform, ImageTransform) \
+            else torch.stack(images, out=out)
     labels = torch.tensor([r[1] for r in rows], dtype=torch.long)
     mask = torch.tensor([r[2] for r in rows], dtype=torch.bool)
-    return images, labels, mask, [r[3] for r in rows]
+    return images, labels, mask, [r[3] for r in rows], lease
 
 
 def _finish(transform: Callable, images: Any) -> torch.Tensor:
@@ -199,6 +207,12 @@ def _finish(transform: Callable, images: Any) -> torch.Tensor:
 def _worker() -> tuple[int, int]:
     info = get_worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+def _pool(returns: BatchReturns | None) -> BatchPool | None:
+    """This DataLoader worker's batch buffers (``None`` in the main process)."""
+    info = get_worker_info()
+    return None if returns is None or info is None else returns.pool(info.id)
 
 
 def _share(total: int, worker: int, workers: int) -> int:
@@ -261,8 +275,9 @@ def _shuffle_on_demand(src: Iterator, *, bufsize: int, initial: int, seed: int, 
 
 class _TrainStream(IterableDataset):
     def __init__(self, urls: list[str], *, batch_size: int, num_batches: int, rank: int, world_size: int,
-                 seed: int, epoch: int, shuffle_buffer: int, transform: Callable, on_error: str, skip: int = 0):
-        self.urls, self.batch_size, self.num_batches = urls, batch_size, num_batches
+                 seed: int, epoch: int, shuffle_buffer: int, transform: Callable, on_error: str, skip: int = 0,
+                 returns: BatchReturns | None = None):
+        self.urls, self.batch_size, self.num_batches, self.returns = urls, batch_size, num_batches, returns
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
         self.shuffle_buffer, self.transform, self.on_error, self.skip = shuffle_buffer, transform, on_error, skip
 
@@ -330,7 +345,8 @@ class _TrainStream(IterableDataset):
                               seed=role_seed, demand=demand),
             skip_raw,
             decode,
-            wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform), partial=False),
+            wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform, _pool(self.returns)),
+                        partial=False),
         )
         for batch in pipeline:
             yield (*batch, *log.drain())
@@ -350,6 +366,24 @@ class _LoaderBase:
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.skipped = 0
         self.skip_messages: list[str] = []
+        # Batches of the last epoch that workers wrote into a newly allocated shared buffer;
+        # the others reused one (distnorm.data.batches). A diagnostic.
+        self.fresh_batch_buffers = 0
+
+    def _returns(self) -> BatchReturns | None:
+        """This epoch's way back for the workers' batch buffers (:mod:`distnorm.data.batches`).
+        Pooled buffers per worker: its batches in flight (``prefetch_factor``), the one being
+        written, and two a training loop still holds (its loop variable holds the last
+        batch while the next one is fetched)."""
+        return BatchReturns(self.num_workers, capacity=self.prefetch_factor + 3) if self.num_workers else None
+
+    def _claim(self, returns: BatchReturns | None, images: Any, lease: Any) -> Any:
+        """Hand a batch on (its buffer goes back to its worker once dropped)."""
+        if returns is None:
+            return images
+        images = returns.claim(images, lease)
+        self.fresh_batch_buffers = returns.fresh
+        return images
 
     def _dataloader(self, dataset: IterableDataset) -> DataLoader:
         return DataLoader(
@@ -461,17 +495,18 @@ class TrainLoader(_LoaderBase):
         self.epoch, self.skip_batches = epoch, skip_batches
 
     def __iter__(self) -> Iterator[tuple]:
-        self.skipped, self.skip_messages = 0, []
+        self.skipped, self.skip_messages, self.fresh_batch_buffers = 0, [], 0
+        returns = self._returns()
         stream = _TrainStream(
             self.urls, batch_size=self.batch_size, num_batches=len(self), rank=self.rank,
             world_size=self.world_size, seed=self.seed, epoch=self.epoch,
             shuffle_buffer=self.shuffle_buffer, transform=self.transform, on_error=self.on_error,
-            skip=self.skip_batches,
+            skip=self.skip_batches, returns=returns,
         )
         produced = self.skip_batches
-        for images, labels, _mask, keys, skipped, messages in self._dataloader(stream):
+        for images, labels, _mask, keys, lease, skipped, messages in self._dataloader(stream):
             self._account(skipped, messages)
-            images = _finish(self.transform, images)
+            images = _finish(self.transform, self._claim(returns, images, lease))
             produced += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
         if produced != len(self):
@@ -482,8 +517,10 @@ class TrainLoader(_LoaderBase):
 
 class _EvalStream(IterableDataset):
     def __init__(self, worker_urls: list[list[str]], planned: list[int], extra: int, *, batch_size: int,
-                 transform: Callable, on_error: str, image_size: int, counts: dict[str, int]):
+                 transform: Callable, on_error: str, image_size: int, counts: dict[str, int],
+                 returns: BatchReturns | None = None):
         self.worker_urls, self.planned, self.extra, self.counts = worker_urls, planned, extra, counts
+        self.returns = returns
         self.batch_size, self.transform, self.on_error, self.image_size = batch_size, transform, on_error, image_size
 
     def _placeholder_row(self) -> tuple:
@@ -495,6 +532,7 @@ class _EvalStream(IterableDataset):
         if workers != len(self.worker_urls):
             raise RuntimeError("eval loader planned for a different number of workers")
         log = _ErrorLog(self.on_error)
+        pool = _pool(self.returns)
 
         seen: dict[str, int] = {}
 
@@ -513,7 +551,7 @@ class _EvalStream(IterableDataset):
                 wds.SimpleShardList(urls),
                 tarfile_to_samples(log.tar_handler),
                 decode,
-                wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform), partial=True),
+                wds.batched(self.batch_size, collation_fn=functools.partial(_collate, self.transform, pool), partial=True),
             )
             for batch in pipeline:
                 produced += 1
@@ -536,7 +574,7 @@ class _EvalStream(IterableDataset):
         # worker 0 the batches this rank lacks to match the longest rank.
         pad = self.planned[worker] - produced + (self.extra if worker == 0 else 0)
         for _ in range(pad):
-            yield (*_collate(self.transform, [self._placeholder_row()]), *log.drain())
+            yield (*_collate(self.transform, pool, [self._placeholder_row()]), *log.drain())
 
 
 class EvalLoader(_LoaderBase):
@@ -602,13 +640,15 @@ class EvalLoader(_LoaderBase):
         return self._num_batches
 
     def __iter__(self) -> Iterator[tuple]:
-        self.skipped, self.skip_messages = 0, []
+        self.skipped, self.skip_messages, self.fresh_batch_buffers = 0, [], 0
+        returns = self._returns()
         stream = _EvalStream(self._worker_urls, self._planned, self._extra, counts=self._counts, batch_size=self.batch_size,
-                             transform=self.transform, on_error=self.on_error, image_size=self.image_size)
+                             transform=self.transform, on_error=self.on_error, image_size=self.image_size,
+                             returns=returns)
         produced = 0
-        for images, labels, mask, keys, skipped, messages in self._dataloader(stream):
+        for images, labels, mask, keys, lease, skipped, messages in self._dataloader(stream):
             self._account(skipped, messages)
-            images = _finish(self.transform, images)
+            images = _finish(self.transform, self._claim(returns, images, lease))
             produced += 1
             yield images, labels, mask, keys
         if produced != len(self):

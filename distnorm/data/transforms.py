@@ -52,6 +52,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from distnorm.data.batches import shared_tensor
+
 __all__ = ["ImageTransform", "Deferred", "build_transform", "TRANSFORM_PRESETS", "DECODERS", "IMAGENET_MEAN",
            "IMAGENET_STD"]
 
@@ -147,21 +149,32 @@ class ImageTransform:
         return out
 
     # ------------------------------------------------------------------ batches
-    def batch(self, rows: Sequence[np.ndarray | torch.Tensor | Deferred]) -> torch.Tensor | list[Deferred | torch.Tensor]:
+    def batch(self, rows: Sequence[np.ndarray | torch.Tensor | Deferred],
+              out: torch.Tensor | None = None) -> torch.Tensor | list[Deferred | torch.Tensor]:
         """``(B, 3, H, W)`` float32 from :meth:`pixels` rows (float ``(3, H, W)`` tensors are
-        placeholders, taken as they are), in shared memory inside a DataLoader worker. With
-        ``decode_device``, the rows themselves, for :meth:`finish`."""
+        placeholders, taken as they are), written into ``out`` if given (of
+        :meth:`batch_shape`), else into a new tensor, in shared memory inside a DataLoader
+        worker. With ``decode_device``, the rows themselves, for :meth:`finish`."""
         if self.decode_device is not None:
             return list(rows)
-        first = rows[0]
-        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (first.shape[2], *first.shape[:2])
-        out = batch_tensor((len(rows), *shape), torch.float32)
+        shape = self.batch_shape(rows)
+        if out is None:
+            out = batch_tensor(shape, torch.float32)
+        elif tuple(out.shape) != shape or out.dtype != torch.float32:
+            raise ValueError(f"batch() needs a float32 output of shape {shape}, got {out.dtype} {tuple(out.shape)}")
         for target, row in zip(out, rows):
             if isinstance(row, torch.Tensor) and row.is_floating_point():
                 target.copy_(row)
             else:
                 self._normalize_into(target, row)
         return out
+
+    @staticmethod
+    def batch_shape(rows: Sequence[np.ndarray | torch.Tensor]) -> tuple[int, int, int, int]:
+        """The ``(B, 3, H, W)`` shape :meth:`batch` gives for these rows."""
+        first = rows[0]
+        shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (first.shape[2], *first.shape[:2])
+        return (len(rows), *shape)
 
     def _normalize_into(self, out: torch.Tensor, pixels: np.ndarray | torch.Tensor) -> None:
         # ToTensor: float32(p) / 255; Normalize: (x - mean) / std — the same three roundings.
@@ -381,9 +394,7 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    numel = math.prod(shape)
-    storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    return shared_tensor(shape, dtype)
 
 
 def build_transform(preset: str, *, train: bool, image_size: int, reduced_decode: bool = False, decoder: str = "pil",
