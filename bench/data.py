@@ -99,6 +99,24 @@ def decode_rates(files: list[Path], repeats: int) -> dict[str, float]:
     return {k: round(len(blobs) / v, 1) for k, v in medians.items()}
 
 
+def batch_buffer_ms(shape: tuple[int, ...], repeats: int) -> dict[str, float]:
+    """Milliseconds to write a float32 batch into a fresh shared-memory buffer (what a
+    worker's ``default_collate`` does per batch) and into one written before (what a
+    ``distnorm.data.batches`` pool reuses), one thread as in a worker."""
+    from distnorm.data.batches import shared_tensor
+
+    source, reused = torch.rand(shape), torch.empty(shape).share_memory_()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        medians = interleaved_medians({"fresh_shared": lambda: shared_tensor(shape, torch.float32).copy_(source),
+                                       "reused_shared": lambda: reused.copy_(source)},
+                                      max(repeats, 5) * 3, torch.device("cpu"), warmup=1)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: round(v * 1e3, 2) for k, v in medians.items()}
+
+
 def profile_split(loader) -> dict[str, float]:
     """Fractions of a 0-worker pass's time per stage (cProfile's internal time per leaf), on
     one torch thread as in a DataLoader worker (with two, the small per-image tensor ops
@@ -189,6 +207,7 @@ def main(argv=None) -> dict:
                 fns[f"{name}_{workers}"] = run
         medians = interleaved_medians(fns, repeats, torch.device("cpu"), warmup=0)
         decode = decode_rates(files, repeats)
+        buffers = batch_buffer_ms((args.batch_size, 3, crop, crop), repeats)
         same = check_same_tensors(files, preset)
         profile = profile_split(D.TrainLoader(urls, num_samples=index.total, batch_size=args.batch_size, num_workers=0,
                                               transform="imagenet", image_size=crop, shuffle_buffer=256,
@@ -211,6 +230,7 @@ def main(argv=None) -> dict:
         "decode_only_images_per_second_1_core": decode,
         "loader_1worker_fraction_of_pil_decode": round(ips["wds_1"] / decode["pil"], 3),
         "profile_fraction_0_workers": profile,
+        "batch_buffer_write_ms": buffers,
         "scaling_1_to_2_workers": {n: round(ips[f"{n}_2"] / ips[f"{n}_1"], 3) for n in ("wds", "imagefolder")},
         "ratios": {
             "wds_vs_imagefolder_1worker": round(ips["wds_1"] / ips["imagefolder_1"], 4),
@@ -224,6 +244,7 @@ def main(argv=None) -> dict:
     print(f"images/s: {ips}")
     print(f"decode only, 1 core: {decode}; loader (1 worker) = {payload['loader_1worker_fraction_of_pil_decode']} of PIL's")
     print(f"profile (0 workers): {profile}")
+    print(f"a batch written into a fresh / a reused shared buffer, ms: {buffers}")
     print(f"same tensors as torchvision's Compose: {same}")
     print(f"ratios: {json.dumps(payload['ratios'])}")
     write_json(args.json, payload)

@@ -381,6 +381,22 @@ MUTANTS: list[Mutant] = [
         ("tests/test_data.py::test_truncated_webdataset_shard_is_reported_in_evaluation",),
     ),
     Mutant(
+        "batch-buffer-given-back-while-held",
+        "a worker reuses a batch buffer only once nothing in the main process refers to it",
+        "distnorm/data/batches.py",
+        "            if ref.expired():  # no tensor, view or array in this process refers to it\n",
+        "            if True:  # no tensor, view or array in this process refers to it\n",
+        ("tests/test_data.py::test_batch_buffers_reused_only_once_nothing_refers_to_them",),
+    ),
+    Mutant(
+        "batch-buffers-never-reused",
+        "workers reuse their shared batch buffers (no fresh 19 MB buffer per ImageNet batch)",
+        "distnorm/data/batches.py",
+        "                self._give_back(held)\n",
+        "                pass\n",
+        ("tests/test_data.py::test_batch_buffers_reused_only_once_nothing_refers_to_them",),
+    ),
+    Mutant(
         "pax-headers-back",
         "distnorm-shards writes one header per member (no PAX header)",
         "distnorm/data/shards.py",

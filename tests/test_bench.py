@@ -88,6 +88,7 @@ def test_bench_data_quick(tmp_path):
     assert 0 < result["loader_1worker_fraction_of_pil_decode"] < 1.5
     profile = result["profile_fraction_0_workers"]
     assert set(profile) == {"decode", "geometry", "normalization", "tar", "rest"} and profile["decode"] > 0
+    assert set(result["batch_buffer_write_ms"]) == {"fresh_shared", "reused_shared"}
 
 
 @pytest.mark.timeout(900)

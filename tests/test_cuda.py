@@ -109,3 +109,25 @@ def test_cuda_checkpointing_updates_buffers_once(use_reentrant):
     from tests.test_gpu_paths import _checkpoint_run
 
     _checkpoint_run(use_reentrant, device="cuda")  # equal to the plain run, buffers updated once
+
+
+@needs_gpu
+def test_pinned_batches_give_their_shared_buffers_back_at_once(tmp_path):
+    """With ``pin_memory`` the DataLoader copies each batch into pinned memory, so the
+    worker's shared buffer is free as soon as the batch arrives (distnorm.data.batches).
+    Bugs caught: a pinned batch that is the worker's buffer after all (kept batches change),
+    buffers held until the pinned batch is dropped (every batch fresh)."""
+    pytest.importorskip("webdataset", reason="needs webdataset (pip install distnorm[data])")
+    from distnorm import data as D
+
+    index = D.write_shards(D.SyntheticSource(num_samples=24, num_classes=4, image_size=24), str(tmp_path / "train"),
+                           maxcount=8, progress=False)
+    common = dict(num_samples=index.total, batch_size=1, num_workers=2, transform="imagenet", image_size=24,
+                  shuffle_buffer=8, seed=3)
+    urls = f"{tmp_path}/train-{{000000..000002}}.tar"
+    expected = [x.clone() for x, _ in D.TrainLoader(urls, pin_memory=False, **common)]
+    loader = D.TrainLoader(urls, pin_memory=True, **common)
+    kept = [x for x, _ in loader]  # every pinned batch held
+    assert all(x.is_pinned() for x in kept)
+    assert loader.fresh_batch_buffers < len(kept)  # buffers went back although the batches are held
+    assert all(torch.equal(a, b) for a, b in zip(kept, expected))
