@@ -2,12 +2,12 @@
 
 A DataLoader worker hands each batch to the main process through shared memory. A fresh
 buffer per batch, what ``default_collate`` allocates, makes the kernel fault in and zero a
-new shared page every 4 KiB: for a 32 x 3 x 224 x 224 float32 batch (19 MB) about ten times
-the time of writing the same values into a buffer written before
-(``bench/data.py``, "batch buffer"; docs/reference/benchmarks.md, "Data"), a tenth or more
-of a worker's time per ImageNet batch. So each worker keeps the buffers it sent
-(:class:`BatchPool`) and writes a later batch into one the main process has given back
-(:class:`BatchReturns`):
+new shared page every 4 KiB: for a 32 x 3 x 224 x 224 float32 batch (19 MB) 16.0 ms against
+2.1 ms to write the same values into a buffer written before (``bench/data.py``'s
+``batch_buffer_write_ms``, 2-core test machine, 2026-11-24; docs/reference/benchmarks.md,
+"Data"): 0.43 ms per image, about a seventh of a worker's time per ImageNet image. So each
+worker keeps the buffers it sent (:class:`BatchPool`) and writes a later batch into one the
+main process has given back (:class:`BatchReturns`):
 
 * the main process gives a buffer back once nothing in it can still see the buffer: at
   once when the DataLoader's pinning thread has copied the batch into pinned memory
