@@ -183,17 +183,17 @@ def _decode(sample: dict, transform: Callable, log: _ErrorLog):
 def _collate(transform: Callable, pool: BatchPool | None, rows: list[tuple]) -> tuple:
     """``(images, labels, mask, keys, lease)``; inside a worker the images are written into a
     shared buffer from ``pool`` (``lease`` says which, for :meth:`BatchReturns.claim`)."""
-    images, lease = [r[0] for r in rows], None
+    samples, lease = [r[0] for r in rows], None
     if isinstance(transform, ImageTransform) and transform.decode_device is not None:
-        images = transform.batch(images)  # Deferred rows: decoded in the main process
+        images = transform.batch(samples)  # Deferred rows: decoded in the main process
     else:
         if isinstance(transform, ImageTransform):
-            shape, dtype = transform.batch_shape(images), torch.float32
+            shape, dtype = transform.batch_shape(samples), torch.float32
         else:
-            shape, dtype = (len(images), *images[0].shape), images[0].dtype
+            shape, dtype = (len(samples), *samples[0].shape), samples[0].dtype
         out, lease = pool.take(shape, dtype) if pool is not None else (batch_tensor(shape, dtype), None)
-        images = transform.batch(images, out=out) if isinstance(transform, ImageTransform) \
-            else torch.stack(images, out=out)
+        images = transform.batch(samples, out=out) if isinstance(transform, ImageTransform) \
+            else torch.stack(samples, out=out)
     labels = torch.tensor([r[1] for r in rows], dtype=torch.long)
     mask = torch.tensor([r[2] for r in rows], dtype=torch.bool)
     return images, labels, mask, [r[3] for r in rows], lease
