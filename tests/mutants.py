@@ -397,6 +397,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_data.py::test_batch_buffers_reused_only_once_nothing_refers_to_them",),
     ),
     Mutant(
+        "fork-shares-given-back",
+        "a batch a forked process inherited keeps its buffer (never given back to its worker)",
+        "distnorm/data/batches.py",
+        "os.register_at_fork(before=_before_fork)\n",
+        "pass  # os.register_at_fork(before=_before_fork)\n",
+        ("tests/test_data.py::test_batches_a_forked_process_inherits_keep_their_buffers",),
+    ),
+    Mutant(
         "pax-headers-back",
         "distnorm-shards writes one header per member (no PAX header)",
         "distnorm/data/shards.py",

@@ -725,3 +725,31 @@ def test_batch_buffers_reused_only_once_nothing_refers_to_them(photo_shards):
         for want, got in zip(expected, held):
             assert torch.equal(torch.as_tensor(got), want[0, 1:, 3:9] if how == "views" else
                                want[0, 0] if how == "arrays" else want), how
+
+
+def _sum_when_told(images, go, out) -> None:
+    go.wait(60)
+    out.put(float(images.double().sum()))
+
+
+def test_batches_a_forked_process_inherits_keep_their_buffers(photo_shards):
+    """A process forked while a batch is held shares its buffer: that buffer must never go
+    back to its worker (distnorm.data.batches._before_fork). Bug caught: the child reads
+    later batches' values. Also: ``prefetch_factor=None`` (the DataLoader's 2) is accepted."""
+    import multiprocessing
+
+    urls, index = photo_shards
+    loader = D.TrainLoader(urls, num_samples=index.total, batch_size=1, num_workers=2, transform="imagenet",
+                           image_size=24, shuffle_buffer=8, seed=3, pin_memory=False, prefetch_factor=None)
+    fork = multiprocessing.get_context("fork")
+    go, out, children, sums = fork.Event(), fork.SimpleQueue(), [], []
+    for step, (images, _) in enumerate(loader):
+        if step % 6 == 0:
+            sums.append(float(images.double().sum()))
+            children.append(fork.Process(target=_sum_when_told, args=(images, go, out)))
+            children[-1].start()  # fork: the child shares the batch's buffer, dropped here next step
+    go.set()  # the epoch is over: every pooled buffer has been written again if given back
+    got = sorted(out.get() for _ in children)
+    for child in children:
+        child.join(60)
+    assert got == sorted(sums) and len(got) == 4

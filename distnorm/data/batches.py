@@ -21,9 +21,12 @@ main process has given back (:class:`BatchReturns`):
 * a buffer goes back only to the worker that made it, through that worker's own pipe, once
   per time it was sent.
 
-One thing a caller must not do: send a batch on to *another* process and then drop it here
-(the other process would read a buffer the worker writes again); ``clone()`` it first. The
-DataLoader, DDP, Accelerate and DeepSpeed never do.
+A process forked while batches are held (``multiprocessing`` with ``fork``) inherits them
+as they are: their buffers never go back (:func:`_before_fork`). One thing this cannot see:
+a batch *pickled* to another process (a ``multiprocessing`` queue, pipe or pool task — torch
+shares the shared memory instead of copying it) and then dropped here; that process would
+read a buffer the worker writes again, so ``clone()`` a batch before sending it. The
+DataLoader, DDP, Accelerate, DeepSpeed and the recipes never send one.
 
 One pair per epoch: the workers, their pools and the pipes end with the epoch's DataLoader.
 """
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
+import weakref
 from typing import Hashable
 
 import torch
@@ -63,6 +68,7 @@ class BatchReturns:
         self._pipes = [multiprocessing.SimpleQueue() for _ in range(num_workers)]
         self._out: dict[tuple[int, int], StorageWeakRef] = {}  # (worker, slot) handed on, not yet dropped
         self.fresh = 0  # batches received in a newly allocated buffer (the others reused one)
+        _LIVE.add(self)
 
     def pool(self, worker: int) -> BatchPool:
         """Worker ``worker``'s pool (called inside that worker)."""
@@ -129,3 +135,16 @@ class BatchPool:
             self._buffers[slot] = shared_tensor(tuple(shape), dtype)
             return self._buffers[slot], (self.worker, slot, True)
         return shared_tensor(tuple(shape), dtype), None
+
+
+_LIVE: weakref.WeakSet[BatchReturns] = weakref.WeakSet()
+
+
+def _before_fork() -> None:
+    """A child forked now shares every batch held now (shared memory stays shared across a
+    fork): keep those buffers out of the pools for good (the workers allocate others)."""
+    for returns in list(_LIVE):
+        returns._out.clear()
+
+
+os.register_at_fork(before=_before_fork)

@@ -18,6 +18,11 @@ keys)``; :func:`distnorm.data.evaluate` reduces top-1 / top-5 / loss over real s
 (``pipe:aws s3 cp s3://bucket/train-000000.tar -``, ``pipe:curl -s -L https://...``), as a
 list or a brace pattern (``/shards/train-{000000..001281}.tar``).
 
+**Batch memory**: inside DataLoader workers a batch is written into a shared-memory buffer
+the worker reuses once the main process no longer refers to the batch
+(:mod:`distnorm.data.batches`). A batch you keep stays as it is; ``clone()`` one before
+*sending* it to another process (a ``multiprocessing`` queue, pipe or pool task).
+
 **Bad data**: with ``on_error="raise"`` (default) an unreadable shard or undecodable
 sample raises :class:`DataError` naming the shard and key; with ``on_error="skip"`` it is
 skipped (in evaluation: replaced by a masked placeholder, keeping batch counts exact),
@@ -358,7 +363,7 @@ class _TrainStream(IterableDataset):
 class _LoaderBase:
     """DataLoader construction shared by the train and eval loaders."""
 
-    def __init__(self, num_workers: int, prefetch_factor: int, pin_memory: bool | None):
+    def __init__(self, num_workers: int, prefetch_factor: int | None, pin_memory: bool | None):
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.num_workers = num_workers
@@ -375,7 +380,8 @@ class _LoaderBase:
         Pooled buffers per worker: its batches in flight (``prefetch_factor``), the one being
         written, and two a training loop still holds (its loop variable holds the last
         batch while the next one is fetched)."""
-        return BatchReturns(self.num_workers, capacity=self.prefetch_factor + 3) if self.num_workers else None
+        in_flight = 2 if self.prefetch_factor is None else self.prefetch_factor  # None: the DataLoader's 2
+        return BatchReturns(self.num_workers, capacity=in_flight + 3) if self.num_workers else None
 
     def _claim(self, returns: BatchReturns | None, images: Any, lease: Any) -> Any:
         """Hand a batch on (its buffer goes back to its worker once dropped)."""
@@ -458,7 +464,7 @@ class TrainLoader(_LoaderBase):
         seed: int = 0,
         epoch: int = 0,
         num_workers: int = 4,
-        prefetch_factor: int = 2,
+        prefetch_factor: int | None = 2,
         pin_memory: bool | None = None,
         shuffle_buffer: int = 5000,
         transform: str | Callable = "imagenet",
@@ -601,7 +607,7 @@ class EvalLoader(_LoaderBase):
         rank: int = 0,
         world_size: int = 1,
         num_workers: int = 2,
-        prefetch_factor: int = 2,
+        prefetch_factor: int | None = 2,
         pin_memory: bool | None = None,
         transform: str | Callable = "imagenet",
         image_size: int = 224,
