@@ -111,23 +111,33 @@ def test_cuda_checkpointing_updates_buffers_once(use_reentrant):
     _checkpoint_run(use_reentrant, device="cuda")  # equal to the plain run, buffers updated once
 
 
-@needs_gpu
-def test_pinned_batches_give_their_shared_buffers_back_at_once(tmp_path):
-    """With ``pin_memory`` the DataLoader copies each batch into pinned memory, so the
-    worker's shared buffer is free as soon as the batch arrives (distnorm.data.batches).
-    Bugs caught: a pinned batch that is the worker's buffer after all (kept batches change),
-    buffers held until the pinned batch is dropped (every batch fresh)."""
-    pytest.importorskip("webdataset", reason="needs webdataset (pip install distnorm[data])")
-    from distnorm import data as D
+class _PooledBatches(torch.utils.data.IterableDataset):
+    """Batch ``i`` filled with ``i``, written into the worker's pooled shared buffers."""
 
-    index = D.write_shards(D.SyntheticSource(num_samples=24, num_classes=4, image_size=24), str(tmp_path / "train"),
-                           maxcount=8, progress=False)
-    common = dict(num_samples=index.total, batch_size=1, num_workers=2, transform="imagenet", image_size=24,
-                  shuffle_buffer=8, seed=3)
-    urls = f"{tmp_path}/train-{{000000..000002}}.tar"
-    expected = [x.clone() for x, _ in D.TrainLoader(urls, pin_memory=False, **common)]
-    loader = D.TrainLoader(urls, pin_memory=True, **common)
-    kept = [x for x, _ in loader]  # every pinned batch held
-    assert all(x.is_pinned() for x in kept)
-    assert loader.fresh_batch_buffers < len(kept)  # buffers went back although the batches are held
-    assert all(torch.equal(a, b) for a, b in zip(kept, expected))
+    def __init__(self, returns, batches: int):
+        self.returns, self.batches = returns, batches
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        pool = self.returns.pool(info.id)
+        for i in range(info.id, self.batches, info.num_workers):
+            out, lease = pool.take((4, 3, 8, 8), torch.float32)
+            yield out.fill_(i), i, lease
+
+
+@needs_gpu
+def test_pinned_batches_give_their_shared_buffers_back_at_once():
+    """With ``pin_memory`` the DataLoader copies each batch into pinned memory, so the
+    worker's shared buffer is free as soon as the batch arrives (distnorm.data.batches; what
+    the loaders do with ``pin_memory``, the default on GPU hosts). Bugs caught: a pinned batch
+    that is the worker's buffer after all (kept batches change), buffers held until the
+    pinned batch is dropped (every batch fresh). Needs no WebDataset."""
+    from distnorm.data.batches import BatchReturns
+
+    returns = BatchReturns(2, capacity=5)
+    loader = torch.utils.data.DataLoader(_PooledBatches(returns, 40), batch_size=None, num_workers=2,
+                                         pin_memory=True)
+    kept = [(returns.claim(images, lease), i) for images, i, lease in loader]  # every pinned batch held
+    assert len(kept) == 40 and all(images.is_pinned() for images, _ in kept)
+    assert returns.fresh < 40  # buffers went back although every batch is held
+    assert all(bool((images == i).all()) for images, i in kept)
