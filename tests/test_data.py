@@ -720,6 +720,9 @@ def test_batch_buffers_reused_only_once_nothing_refers_to_them(photo_shards):
         "arrays": [x.numpy()[0, 0] for x, _ in loader],
     }
     assert loader.fresh_batch_buffers == len(loader)  # every batch held: nothing to reuse
+    pixels = np.zeros((24, 24, 3), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"float32 output of shape \(1, 3, 24, 24\)"):
+        loader.transform.batch([pixels], out=torch.empty(1, 3, 24, 23))
     for how, held in kept.items():
         assert len(held) == len(expected), how
         for want, got in zip(expected, held):
