@@ -37,7 +37,6 @@ import math
 import multiprocessing
 import os
 import weakref
-from typing import Hashable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -69,6 +68,11 @@ class BatchReturns:
         self._out: dict[tuple[int, int], StorageWeakRef] = {}  # (worker, slot) handed on, not yet dropped
         self.fresh = 0  # batches received in a newly allocated buffer (the others reused one)
         _LIVE.add(self)
+
+    def __getstate__(self) -> dict:
+        """What a spawned worker receives: its pipes, not the main process's weak references
+        (process-local pointers)."""
+        return {"capacity": self.capacity, "_pipes": self._pipes}
 
     def pool(self, worker: int) -> BatchPool:
         """Worker ``worker``'s pool (called inside that worker)."""
@@ -121,7 +125,7 @@ class BatchPool:
         """A shared buffer of ``shape`` and ``dtype`` to write a batch into, and its lease
         (``None``: unpooled, the main process keeps it as it is)."""
         self._collect()
-        key: Hashable = (tuple(shape), dtype)
+        key = (tuple(shape), dtype)
         for i, slot in enumerate(self._free):
             buffer = self._buffers[slot]
             if (tuple(buffer.shape), buffer.dtype) == key:
