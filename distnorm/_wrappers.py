@@ -12,21 +12,20 @@ so the core never names an engine it does not ship with.
 
 torch's FSDP is known here too, down to its parameters: :func:`fsdp_sharded` (one shard per
 rank, left out of consistency checks) and :func:`fsdp_flat` (FSDP1's ``FlatParameter``).
+Importing ``torch.distributed.fsdp`` (and DTensor with it) costs about 0.4 s of CPU, paid by
+every process that imports distnorm if done here; a model cannot be wrapped by FSDP, nor hold
+a DTensor, before the user's code has imported them, so both are looked up in
+``sys.modules`` when needed instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 import torch
-import torch.distributed.fsdp as fsdp
 from torch import nn
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.5 (public name since)
-    from torch.distributed._tensor import DTensor
 
 __all__ = ["register_wrapper", "refuse_wrapped", "wrapper_name", "fsdp_sharded", "fsdp_flat"]
 
@@ -42,16 +41,32 @@ def register_wrapper(kind: type, label: str) -> None:
 
 register_wrapper(nn.parallel.DistributedDataParallel, "torch DistributedDataParallel")
 register_wrapper(nn.DataParallel, "torch DataParallel")
-register_wrapper(fsdp.FullyShardedDataParallel, "torch FSDP")
-if hasattr(fsdp, "FSDPModule"):  # fully_shard (FSDP2), torch >= 2.6
-    register_wrapper(fsdp.FSDPModule, "torch FSDP (fully_shard)")
+
+
+def _register_torch_fsdp() -> None:
+    """torch's FSDP wrappers, once the user's code has imported ``torch.distributed.fsdp``."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not hasattr(fsdp, "FullyShardedDataParallel"):  # not imported (or not yet whole)
+        return
+    register_wrapper(fsdp.FullyShardedDataParallel, "torch FSDP")
+    if hasattr(fsdp, "FSDPModule"):  # fully_shard (FSDP2), torch >= 2.6
+        register_wrapper(fsdp.FSDPModule, "torch FSDP (fully_shard)")
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """``isinstance(tensor, DTensor)`` without importing DTensor (public since torch 2.5)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        dtensor = getattr(sys.modules.get(name), "DTensor", None)
+        if dtensor is not None and isinstance(tensor, dtensor):
+            return True
+    return False
 
 
 def fsdp_sharded(param: torch.Tensor) -> bool:
     """A parameter torch's FSDP manages: one shard per rank (FSDP1 marks every parameter it
     flattens, ``use_orig_params`` or not; ``fully_shard`` makes them DTensors). The same
     answer on every rank, whatever is gathered at the moment."""
-    return bool(getattr(param, "_fsdp_flattened", False)) or isinstance(param, DTensor)
+    return bool(getattr(param, "_fsdp_flattened", False)) or _is_dtensor(param)
 
 
 def fsdp_flat(param: torch.Tensor) -> bool:
@@ -73,6 +88,7 @@ def _load_integration(module: nn.Module) -> None:
 
 def wrapper_name(model: nn.Module) -> str | None:
     """The engine that wraps ``model`` (or any of its submodules), or ``None``."""
+    _register_torch_fsdp()
     for module in model.modules():
         _load_integration(module)
         for kind, label in _WRAPPERS:
