@@ -167,7 +167,13 @@ class DistNormPlugin:
         self.training_forwards = 0
         self._resync = False
         # Off is off: a configuration that changes nothing adds no hook, check or collective.
-        self._hook = model.register_forward_pre_hook(self._before_forward) if self.config.active else None
+        # Runs eagerly even inside ``torch.compile(model)``: the learning rate is a Python float
+        # that changes every step, and tracing it would recompile the model at every change. The
+        # layers read it from their ``amat_eta`` buffer, which the compiled graph takes as input.
+        # (Disabled here, not with a decorator: ``torch.compiler.disable`` imports torch._dynamo,
+        # about 1 s of CPU that every ``import distnorm`` would pay.)
+        self._hook = (model.register_forward_pre_hook(torch.compiler.disable(self._before_forward))
+                      if self.config.active else None)
 
     def __repr__(self) -> str:
         return (f"DistNormPlugin(norm={self.config.norm!r}, bnp={self.config.bnp is not None}, "
@@ -248,10 +254,6 @@ class DistNormPlugin:
         return check_consistency(self.model, self.group)
 
     # ------------------------------------------------------------- per step
-    # Runs eagerly even inside ``torch.compile(model)``: the learning rate is a Python float
-    # that changes every step, and tracing it would recompile the model at every change. The
-    # layers read it from their ``amat_eta`` buffer, which the compiled graph takes as input.
-    @torch.compiler.disable
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         if not module.training or not torch.is_grad_enabled():
             return
