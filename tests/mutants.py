@@ -73,6 +73,7 @@ LD = "tests/test_layers_distributed.py"
 KC = "tests/test_kernel_contracts.py"
 GP = "tests/test_gpu_paths.py"
 REL = "tests/test_reliability.py"
+DB = "tests/test_ddp_buffers.py"
 
 MUTANTS: list[Mutant] = [
     # ---------------------------------------------------------------- collectives
@@ -338,6 +339,87 @@ MUTANTS: list[Mutant] = [
         "        given.setdefault(dotted.strip(), []).append(raw)\n",
         "        given[dotted.strip()] = [raw]\n",
         ("tests/test_train.py::test_a_key_given_twice_is_refused_naming_the_shell_expansion",),
+    ),
+    # ------------------------------------------- what a step costs: no buffer broadcast, counts
+    Mutant(
+        "ddp-kwargs-broadcast-on",
+        "DistributedDataParallel(model, **distnorm.ddp_kwargs()): no buffer broadcast",
+        "distnorm/plugin.py",
+        '        return {"forward_sync_buffers": False}\n',
+        "        return {}\n",
+        (f"{DB}::test_ddp_kwargs_step_broadcasts_no_buffers",),
+    ),
+    Mutant(
+        "plugin-checks-every-forward",
+        "the plugin checks consistency every check_every training forwards",
+        "distnorm/plugin.py",
+        "        if every and self.training_forwards % every == 0:\n",
+        "        if every:\n",
+        (f"{DB}::test_plugin_step_broadcasts_no_buffers_and_checks_every_n_forwards",),
+    ),
+    Mutant(
+        "plugin-resyncs-every-forward",
+        "the buffers are broadcast and verified at the first training forward after a load (not at every one)",
+        "distnorm/plugin.py",
+        "        if self._resync:  # first training forward after a checkpoint load: a safe point\n",
+        "        if True:  # first training forward after a checkpoint load: a safe point\n",
+        (f"{DB}::test_plugin_step_broadcasts_no_buffers_and_checks_every_n_forwards",),
+    ),
+    Mutant(
+        "consistency-gathers-every-tensor",
+        "check_consistency: one collective for the structure, one for the fingerprints; tensors gathered only on a mismatch",
+        "distnorm/consistency.py",
+        "    agree = _collectives.all_agree(sums, group)\n",
+        "    agree = torch.zeros_like(sums, dtype=torch.bool)\n",
+        (f"{DB}::test_consistency_check_costs_two_all_reduces",),
+    ),
+    Mutant(
+        "sync-group-not-given-to-layers",
+        "sync_group_size=k synchronizes within groups of k consecutive ranks (the layers)",
+        "distnorm/plugin.py",
+        "                process_group=self.group)\n",
+        "                process_group=None)\n",
+        (f"{DB}::test_sync_group_size_keeps_the_statistics_inside_the_group",),
+    ),
+    Mutant(
+        "sync-group-not-given-to-bnp",
+        "sync_group_size=k synchronizes within groups of k consecutive ranks (BNP)",
+        "distnorm/plugin.py",
+        "        self.bnp_handle = cfg.bnp.attach(model, process_group=self.group) if cfg.bnp is not None else None\n",
+        "        self.bnp_handle = cfg.bnp.attach(model, process_group=None) if cfg.bnp is not None else None\n",
+        (f"{DB}::test_sync_group_size_keeps_the_statistics_inside_the_group",),
+    ),
+    Mutant(
+        "accelerate-broadcast-on",
+        "Accelerate: prepare() makes Accelerate build DDP without the buffer broadcast (no handler given)",
+        "distnorm/integrations/accelerate.py",
+        "        accelerator.ddp_handler = accelerate.utils.DistributedDataParallelKwargs(broadcast_buffers=False)\n",
+        "        accelerator.ddp_handler = accelerate.utils.DistributedDataParallelKwargs(broadcast_buffers=True)\n",
+        ("tests/test_integrations.py::test_two_ranks_match_one_process[accelerate]",),
+    ),
+    Mutant(
+        "accelerate-handler-broadcast-kept",
+        "Accelerate: prepare() turns the buffer broadcast off on the script's own DDP handler",
+        "distnorm/integrations/accelerate.py",
+        "        handler.broadcast_buffers = False\n",
+        "        pass\n",
+        ("tests/test_integrations.py::test_two_ranks_match_one_process[accelerate]",),
+    ),
+    Mutant(
+        "lightning-broadcast-on",
+        "Lightning: on_fit_start turns the DDP wrapper's buffer broadcast off",
+        "distnorm/integrations/lightning.py",
+        "                wrapper.broadcast_buffers = False\n",
+        "                wrapper.broadcast_buffers = True\n",
+        ("tests/test_lightning.py::test_two_lightning_ranks_match_one_process[cbn-flags0]",),
+    ),
+    Mutant(
+        "lightning-hook-per-call",
+        "Lightning: the plugin's per-step work (learning rate, check every check_every) once per training batch",
+        "distnorm/integrations/lightning.py",
+        "        plugin.remove()\n",
+        "        pass\n",
+        ("tests/test_lightning.py::test_two_lightning_ranks_match_one_process[cbn-flags0]",),
     ),
     # ------------------------------------------------------------------- data, evaluation
     Mutant(

@@ -86,7 +86,7 @@ def _assert_eta_follows_lr(result: dict, omega: float = 10.0) -> None:
 
 CONFIGS = [
     pytest.param(["--engine", "accelerate"], id="accelerate"),
-    pytest.param(["--engine", "accelerate", "--distnorm-bnp"], id="accelerate-bnp"),
+    pytest.param(["--engine", "accelerate", "--distnorm-bnp", "--ddp-kwargs-handler"], id="accelerate-bnp"),
     *[pytest.param(["--engine", "deepspeed", "--zero", str(z)], id=f"deepspeed-zero{z}") for z in range(4)],
     pytest.param(["--engine", "deepspeed", "--zero", "2", "--distnorm-bnp"], id="deepspeed-zero2-bnp"),
     pytest.param(["--engine", "deepspeed", "--zero", "3", "--distnorm-bnp"], id="deepspeed-zero3-bnp"),
@@ -106,13 +106,27 @@ BY_ENGINE = {
 @pytest.mark.parametrize("engine", list(BY_ENGINE))
 def test_two_ranks_match_one_process(tmp_path, engine):
     """Every configuration of the engine (Accelerate with and without BNP; DeepSpeed ZeRO 0-3,
-    ZeRO 2 and 3 with BNP): 2 ranks on split batches equal 1 rank on the whole batch."""
+    ZeRO 2 and 3 with BNP): 2 ranks on split batches equal 1 rank on the whole batch.
+
+    Accelerate's 2-rank steps are also counted (every collective of each training step):
+    ``prepare`` makes Accelerate build DDP without the per-forward buffer broadcast, with no
+    DDP handler (``accelerate``) and with the script's own (``accelerate-bnp``), and the
+    consistency check runs every second step (``check_every=2``). Bug caught: the broadcast
+    left on in either case (equal buffers, one more collective per forward, invisible to the
+    comparison of values)."""
+    from tests.test_ddp_buffers import assert_no_buffer_broadcast, checks_per_step
+
     configs = BY_ENGINE[engine]
-    extra = ["--distnorm", "cbn", "--distnorm-cbn-rho", "2", "--steps", "6", "--distnorm-check-every", "2"]
+    extra = ["--distnorm", "cbn", "--distnorm-cbn-rho", "2", "--steps", "6", "--distnorm-check-every", "2",
+             *(["--count-collectives"] if engine == "accelerate" else [])]
     args = {c.id: [*c.values[0], *extra] for c in configs}
     splits = launch_many(2, [(tmp_path / f"split-{name}", a) for name, a in args.items()])
     singles = launch_many(1, [(tmp_path / f"single-{name}", a) for name, a in args.items()])
     for name, split, (single,) in zip(args, splits, singles):
+        if engine == "accelerate":
+            for rank, record in enumerate(split):
+                assert_no_buffer_broadcast(record["collectives"], f"{name}, rank {rank}")
+                assert checks_per_step(record["collectives"]) == [0, 1] * 3, (name, rank, record["collectives"])
         _assert_same_training(split, single)
         _assert_eta_follows_lr(split[0])
         if "--distnorm-bnp" in args[name]:

@@ -22,6 +22,7 @@ import distnorm
 pytest.importorskip("lightning")
 
 from tests.engines.lightning_train import run_reference  # noqa: E402
+from tests.test_ddp_buffers import assert_no_buffer_broadcast, broadcasts_per_step, checks_per_step  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "engines" / "lightning_train.py"
 REPO = Path(__file__).resolve().parents[1]
@@ -92,9 +93,24 @@ def test_two_lightning_ranks_match_one_process(runs, run, flags):
     """Bug caught: AMAT reading a learning rate other than the one Lightning's scheduler left
     for the step (eta off by one step), statistics not synchronized across Lightning's DDP
     ranks, BNP moments computed per rank, or DDP broadcasting rank 0's buffers every forward
-    (which would hide per-rank buffers instead of proving them equal)."""
+    (which would hide per-rank buffers instead of proving them equal).
+
+    Counted, every collective of each training batch: no buffer broadcast (setting
+    ``broadcast_buffers = False`` on the built wrapper really stops it on torch 2.14), and the
+    consistency check at every ``check_every``-th batch only. Bugs caught: the broadcast left
+    on; the check twice as often as configured (the plugin's per-forward hook counted
+    Lightning's forward redirection and the ``self(x)`` inside ``training_step`` as two
+    forwards a step)."""
     split = _records(runs, run)
     assert split[0]["distnorm_file"].startswith(str(REPO)), split[0]["distnorm_file"]  # the tree under test
+    for rank, record in enumerate(split):
+        steps = record["collectives"]
+        assert_no_buffer_broadcast(steps, f"Lightning {run}, rank {rank}")
+        every = flags["check_every"]
+        want = [int((i + 1) % every == 0) for i in range(len(steps))]
+        assert checks_per_step(steps) == want, (
+            f"Lightning {run}, rank {rank}: consistency checks per batch {checks_per_step(steps)}, expected "
+            f"{want} (check_every={every}); collectives of the first two batches: {steps[:2]}")
     assert split[0]["wrapper"] == "DistributedDataParallel" and split[0]["broadcast_buffers"] is False
     if run == "cbn":  # eta = 1 - omega * lr for the lr applied at every step
         assert [e[0] for e in split[0]["etas"]] == pytest.approx([1 - 10 * lr for lr in split[0]["lrs"]])
@@ -141,10 +157,14 @@ def test_lightning_second_fit_follows_the_new_optimizer(runs):
 @pytest.mark.timeout(300)
 def test_lightning_off_is_off(runs):
     """Bug caught: DistNormSync with a configuration that changes nothing still converted the
-    model, turned DDP's buffer broadcast off (per-rank BatchNorm statistics would drift) or
-    wrote an entry into Lightning's checkpoints."""
+    model, turned DDP's buffer broadcast off (per-rank BatchNorm statistics would drift),
+    added a collective to a step or wrote an entry into Lightning's checkpoints. The
+    collectives are counted: the same with the lines as without, the buffer broadcast in
+    every batch (so the counter sees it)."""
     off, plain = _records(runs, "off"), _records(runs, "plain")
     for a, b in zip(off, plain):
+        assert a["collectives"] == b["collectives"], (a["collectives"], b["collectives"])
+        assert all(n > 0 for n in broadcasts_per_step(a["collectives"])), a["collectives"]
         assert a["broadcast_buffers"] is True and b["broadcast_buffers"] is True
         assert a["conversion"] == {} and a["losses"] == b["losses"]
         for kind in ("params", "buffers"):

@@ -21,10 +21,18 @@ and as exclusive: Lightning refuses both together), and a
   optimizer is built by Lightning afterwards, so it holds the new parameters;
 * **learning rate** — ``on_fit_start`` makes the plugin :meth:`~distnorm.DistNormPlugin.follow`
   ``trainer.optimizers`` (all of them, as one list of parameter groups): before every
-  training forward each AMAT layer reads the learning rate of the group holding its
-  weight, as Lightning's schedulers left it (``interval="step"`` or ``"epoch"``, warm-up
-  included). The first ``follow`` also broadcasts distnorm's buffers from rank 0 and
+  training batch (``on_train_batch_start``) each AMAT layer reads the learning rate of the
+  group holding its weight, as Lightning's schedulers left it (``interval="step"`` or
+  ``"epoch"``, warm-up included), and every ``check_every`` batches the plugin checks
+  consistency. The first ``follow`` also broadcasts distnorm's buffers from rank 0 and
   verifies them;
+* **once per batch** — not per call of the module: under DDP, Lightning runs
+  ``training_step`` through the LightningModule's own ``__call__`` (its forward
+  redirection), and ``training_step`` usually calls ``self(x)`` again, so the plugin's
+  per-forward hook would count two forwards a step (the consistency check, and its
+  collectives, twice as often as ``check_every`` says); on one device a ``training_step``
+  that calls ``self.net(x)`` never calls the module at all. The callback's
+  ``on_train_batch_start`` runs the plugin's per-step work instead of that hook;
 * **buffers** — distnorm's buffers are bit-identical on every rank by construction, so
   ``on_fit_start`` turns the DDP wrapper's per-forward buffer broadcast off
   (``DistributedDataParallel.broadcast_buffers = False``), unless BatchNorms with per-rank
@@ -37,7 +45,7 @@ and as exclusive: Lightning refuses both together), and a
 *are* the trained model (:func:`distnorm.revert` would put the untrained BatchNorms back);
 it stops following the optimizer and checking, as ``TorchSyncBatchNorm.revert`` stops the
 synchronization. Without ``norm`` / BNP in the configuration nothing changes at all: no
-conversion, no hook, no DDP setting, no checkpoint entry.
+conversion, no per-batch work, no DDP setting, no checkpoint entry.
 """
 
 from __future__ import annotations
@@ -121,17 +129,18 @@ class DistNormSync(LayerSync, Callback):
     def apply(self, model: nn.Module) -> nn.Module:
         """Convert ``model`` in place (once; later calls only resume following and checking)."""
         if self.plugin is not None and self.plugin.model is model:
-            plugin = self.plugin
-            if self._reverted and plugin.config.active:  # fit again: follow and check again
-                plugin._hook = model.register_forward_pre_hook(plugin._before_forward)
-            self._reverted = False
+            self._reverted = False  # fit again: on_train_batch_start follows and checks again
             return model
         if self.plugin is not None:
             raise ValueError(
                 "DistNormSync: this instance already converted another model; create one DistNormSync per model"
             )
         self._require_callback(model)
-        self.plugin = DistNormPlugin(model, self.config)
+        plugin = DistNormPlugin(model, self.config)
+        # The plugin's per-forward hook would run once per call of the LightningModule (twice
+        # a step under DDP, see the module docstring): on_train_batch_start runs it instead.
+        plugin.remove()
+        self.plugin = plugin
         return model
 
     def revert(self, model: nn.Module) -> nn.Module:
@@ -174,6 +183,14 @@ class DistNormSync(LayerSync, Callback):
         optimizers = trainer.optimizers
         if optimizers:
             plugin.follow(optimizers[0] if len(optimizers) == 1 else _AllOptimizers(optimizers))
+
+    def on_train_batch_start(self, trainer: Any, pl_module: nn.Module, batch: Any, batch_idx: int) -> None:
+        plugin = self.plugin
+        if plugin is None or not plugin.config.active or self._reverted:
+            return
+        # What the plugin's forward pre-hook does in other engines (learning rate, resync
+        # after a load, periodic check), once per training batch.
+        plugin._before_forward(plugin.model, ())
 
     def state_dict(self) -> dict[str, Any]:
         if self.plugin is None or not self.plugin.config.active:

@@ -5,7 +5,8 @@ strategy start the second process itself (CPU, gloo). :func:`run_reference` trai
 model in one plain PyTorch process on the concatenated batch, with the plugin following a
 torch optimizer (the test calls it in its own process). Every rank writes what it saw to ``{out}.rank{r}.pt``: per step the loss, the
 learning rate the optimizer applied and AMAT's eta; the final parameters and buffers; how
-the DDP wrapper was built; where distnorm was imported from.
+the DDP wrapper was built and every collective of each training batch (forward, backward,
+optimizer step: ``tests.dispatch.CollectiveCounter``); where distnorm was imported from.
 
 The data of step ``s`` is ``global_batch(s)`` whatever the epoch or a resume, so a run
 resumed from a checkpoint sees the batches the uninterrupted run saw.
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 import distnorm
+from tests.dispatch import CollectiveCounter
 from tests.engines.small_train import NUM_CLASSES
 from tests.engines.small_train import make_model as base_model
 
@@ -126,7 +128,7 @@ def run_lightning(args, cfg) -> tuple[int, dict]:
         max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0, **extra,
     )
-    ddp_seen = {}
+    ddp_seen = {"collectives": []}
 
     class Spy(L.Callback):  # how the DDP wrapper runs, once distnorm's callback has set it up
         def on_train_start(self, trainer, pl_module):
@@ -134,7 +136,17 @@ def run_lightning(args, cfg) -> tuple[int, dict]:
             ddp_seen["wrapper"] = type(wrapper).__name__
             ddp_seen["broadcast_buffers"] = getattr(wrapper, "broadcast_buffers", None)
 
-    trainer.callbacks.append(Spy())
+        # What the wrapper really does, whatever its attributes say: the collectives of each
+        # training batch (forward, backward and optimizer step happen between these hooks).
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.counter = CollectiveCounter()
+            self.counter.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.counter.__exit__(None, None, None)
+            ddp_seen["collectives"].append(self.counter.calls)
+
+    trainer.callbacks.insert(0, Spy())  # first: its counter sees the other callbacks' batch-start work
     trainer.fit(module, ckpt_path=args.ckpt if args.resume else None)
     if args.refit:  # fit the same module again: a new Trainer, new optimizers, the same sync
         trainer = L.Trainer(

@@ -3,7 +3,8 @@
 Launched by tests/test_integrations.py with torchrun (2 ranks on split batches, or 1 rank on
 the whole batch as the reference). Every rank writes what it saw to ``{out}.rank{r}.pt``:
 losses, the learning rate the optimizer applied and AMAT's eta at every step, final
-parameters, buffers and optimizer state.
+parameters, buffers and optimizer state; with ``--count-collectives``, every collective of
+every training step (forward, backward, optimizer step; ``tests.dispatch.CollectiveCounter``).
 
 Several trainings can share one launch: argument lists separated by ``--then`` run one after
 the other in the same processes and process group (each with its own ``--out``, model,
@@ -14,6 +15,7 @@ optimizer and engine). A launch costs seconds of start-up (torchrun, ``import to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -72,6 +74,9 @@ def run_one(argv: list[str]) -> int:
     p.add_argument("--perturb-step", type=int, default=None)
     p.add_argument("--out", required=True)
     p.add_argument("--no-plugin", action="store_true", help="the script without distnorm's lines (reference)")
+    p.add_argument("--count-collectives", action="store_true", help="record every training step's collectives")
+    p.add_argument("--ddp-kwargs-handler", action="store_true",
+                   help="Accelerate: the script passes a DistributedDataParallelKwargs handler of its own")
     distnorm.add_arguments(p)
     args = p.parse_args(argv)
     cfg = distnorm.DistNormConfig.from_args(args)
@@ -93,7 +98,7 @@ def _record(model: nn.Module) -> dict:
 
 
 def _train(args, model_for_etas, forward_backward, applied_lr, step_fn, world, rank):
-    losses, lrs, etas = [], [], []
+    losses, lrs, etas, collectives = [], [], [], []
     amat = [m for m in model_for_etas.modules() if isinstance(m, distnorm.CBN)]
     per_rank = args.global_batch // world
     first = args.save_at if args.resume else 0
@@ -104,22 +109,36 @@ def _train(args, model_for_etas, forward_backward, applied_lr, step_fn, world, r
         if step == args.perturb_step and rank == 1:
             with torch.no_grad():
                 amat[0].amat_mean[0] += 1e-3
-        loss = forward_backward(x, y)
-        losses.append(loss)
-        lrs.append(applied_lr())
-        etas.append([m.eta for m in amat])
-        step_fn()
-    return {"losses": losses, "lrs": lrs, "etas": etas, "first_step": first}
+        counter = _collective_counter() if args.count_collectives else contextlib.nullcontext()
+        with counter:
+            loss = forward_backward(x, y)
+            losses.append(loss)
+            lrs.append(applied_lr())
+            etas.append([m.eta for m in amat])
+            step_fn()
+        if args.count_collectives:
+            collectives.append(counter.calls)
+    return {"losses": losses, "lrs": lrs, "etas": etas, "first_step": first, "collectives": collectives}
+
+
+def _collective_counter():
+    from tests.dispatch import CollectiveCounter  # the launch has the repository on PYTHONPATH
+
+    return CollectiveCounter()
 
 
 def run_accelerate(args, cfg) -> dict:
     from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
 
     import distnorm.integrations.accelerate as dn_accelerate
 
     # One scheduler step per optimizer step, whatever the number of processes (Accelerate's
     # default steps it num_processes times), so that 2 ranks and 1 rank share a schedule.
-    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False)
+    # A handler of the script's own (DDP's defaults: buffer broadcast on) is the other way
+    # prepare() has to turn the broadcast off.
+    handlers = [DistributedDataParallelKwargs()] if args.ddp_kwargs_handler else []
+    accelerator = Accelerator(cpu=True, step_scheduler_with_optimizer=False, kwargs_handlers=handlers)
     model = make_model()
     plugin = None if args.no_plugin else dn_accelerate.prepare(model, cfg, accelerator)  # distnorm
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
