@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps test docs test-gpu test-cluster demo bench clean mutants
+.PHONY: install system-deps test check cpu-seconds docs test-gpu test-cluster demo bench clean mutants
 
 install: $(STAMP)
 
@@ -35,6 +35,22 @@ TEST_WORKERS ?= 2
 test: docs system-deps
 	$(PY) -m pytest -q -m "not cluster" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
 		--doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
+
+# The quick tier for the inner loop: the docs build, then every test that stays in the pytest
+# process (the maths against the float64 references, conversion, configuration, kernel
+# contracts, op counts, docstring and page examples). A test that starts a process -- ranks,
+# launchers, CLI runs, DataLoader workers, benchmark scripts -- is marked `processes` or
+# `world_size(n)` and left to `make test`; under DISTNORM_TEST_TIER=check one that starts a
+# process without the marker fails, naming it (conftest.py). Not what CI runs.
+check: docs
+	DISTNORM_TEST_TIER=check $(PY) -m pytest -q -m "not processes and not world_size and not cluster" \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
+		--doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
+
+# CPU seconds (user + system) of `make test` and of every process it starts, counted in a
+# cgroup (tests/cpu_seconds.py): they travel between machines and loads better than wall time.
+cpu-seconds: $(STAMP) system-deps
+	$(PY) tests/cpu_seconds.py --json cpu-seconds.json -- $(MAKE) --no-print-directory test
 
 # The documentation site (MkDocs + Material, API reference from the docstrings) into site/.
 docs: $(STAMP)

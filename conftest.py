@@ -27,6 +27,17 @@ from sybil import Sybil
 from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
 ROOT = Path(__file__).resolve().parent
+
+# One intra-op thread in every test process and every process it starts (they inherit the
+# environment), unless the caller chose a number: the tests check results, not speed, and two
+# pytest workers, gloo ranks and launched runs share two cores. OpenMP threads that spin
+# waiting for work burnt more CPU than the work itself: test_convert.py took 78 CPU-seconds
+# with the default (2) and 29 with 1 (tests/cpu_seconds.py, 2026-11-26). Set before any
+# test module imports torch, which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+#: Pages whose Python blocks start processes (DataLoader workers): left out of ``make check``.
+PAGES_THAT_START_PROCESSES = {"docs/reference/data.md"}
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
@@ -42,6 +53,51 @@ def pytest_configure(config: pytest.Config) -> None:
     path = os.environ.get("PATH", "")
     if path.split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + path
+
+
+#: ``make check`` sets this: only tests that run in the pytest process itself are selected
+#: (``-m "not processes and not world_size"``), and one that starts a process anyway fails,
+#: naming the marker it needs -- so the quick tier stays quick without a list to maintain.
+SINGLE_PROCESS = os.environ.get("DISTNORM_TEST_TIER") == "check"
+
+
+def _refusing_processes(item: pytest.Item):
+    """Starting a process raises, naming the marker the test needs (``make check`` only)."""
+    import contextlib
+    import multiprocessing.process
+    import subprocess
+
+    if not SINGLE_PROCESS or item.get_closest_marker("processes") or item.get_closest_marker("world_size"):
+        return contextlib.nullcontext()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{item.nodeid} starts a process (in the test or a fixture): mark it "
+                           "@pytest.mark.processes, or list its page in PAGES_THAT_START_PROCESSES of "
+                           "conftest.py (make check runs the tests that stay in one process)")
+
+    stack = contextlib.ExitStack()
+    patch = stack.enter_context(pytest.MonkeyPatch.context())
+    patch.setattr(subprocess.Popen, "_execute_child", refuse)
+    patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    return stack
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(ROOT).as_posix() in PAGES_THAT_START_PROCESSES:
+            item.add_marker(pytest.mark.processes)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with _refusing_processes(item):  # fixtures too: a module fixture that launches a run counts
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _refusing_processes(item):
+        return (yield)
 
 
 def _free_port() -> int:

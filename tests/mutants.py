@@ -271,8 +271,8 @@ MUTANTS: list[Mutant] = [
         "compile-reads-lr",
         "a changing learning rate does not recompile (the plugin's hook runs outside the graph)",
         "distnorm/plugin.py",
-        "    @torch.compiler.disable\n    def _before_forward(",
-        "    @(lambda f: f)  # was @torch.compiler.disable\n    def _before_forward(",
+        "model.register_forward_pre_hook(torch.compiler.disable(self._before_forward))",
+        "model.register_forward_pre_hook(self._before_forward)  # was torch.compiler.disable(...)",
         (f"{GP}::test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes",),
     ),
     # ------------------------------------------------------------------- plugin, config

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.processes  # every test here runs a benchmark script
+
 REPO = Path(__file__).resolve().parents[1]
 
 def _measured(ratios: dict) -> None:

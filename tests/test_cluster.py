@@ -25,7 +25,8 @@ from tests.system import need
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
 REASON = available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated cluster: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=f"simulated cluster: {REASON}"),
+              pytest.mark.processes]  # simulated hosts, launchers
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ def _image_tree(root: Path) -> None:
         Image.fromarray(rng.integers(0, 255, (10, 10, 3), dtype=np.uint8)).save(root / cls / "extra.png")
 
 
+@pytest.mark.processes  # the writer's worker processes
 def test_imagefolder_round_trip_is_byte_identical(tmp_path):
     _image_tree(tmp_path / "train")
     source = D.ImageFolderSource(str(tmp_path / "train"))
@@ -98,6 +99,7 @@ def test_digits_demo_and_synthetic_sources():
     assert Image.open(io.BytesIO(synth.jpeg(5))).size == (64, 64)
 
 
+@pytest.mark.processes
 def test_cli(tmp_path):
     out = subprocess.run([sys.executable, "-m", "distnorm.data.shards", "digits", str(tmp_path / "d" / "val"),
                           "--split", "val", "--maxcount", "100", "--quiet"], capture_output=True, text=True, timeout=300)
@@ -190,7 +192,8 @@ def _eval_worker(rank, world, root, workers, batch):
     return len(loader), keys, metrics
 
 
-@pytest.mark.parametrize("workers", [0, 2, 3])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.processes),
+                                     pytest.param(3, marks=pytest.mark.processes)])
 def test_train_loader_resumes_mid_epoch_exactly(synth_shards, workers):
     root, index = synth_shards
     loader = D.TrainLoader(f"{root}/train-{{000000..000006}}.tar", num_samples=index.total, batch_size=4,
@@ -245,6 +248,7 @@ def bad_shards(tmp_path):
     return tmp_path, index, good
 
 
+@pytest.mark.processes
 def test_undecodable_image_and_bad_label(bad_shards):
     root, index, good = bad_shards
     urls = index.local_urls(root)
@@ -273,6 +277,7 @@ def _cut_points(shard: Path) -> tuple[int, int]:
     return jpegs[1].offset_data + jpegs[1].size // 2, members[2].offset + 100
 
 
+@pytest.mark.processes
 def test_truncated_shard(bad_shards):
     """Bugs caught: a shard cut inside a member read as if whole; a shard cut inside a header —
     which Python's tarfile takes for the end of the archive — leaving validation samples out
@@ -366,6 +371,7 @@ def _distinct_classes_per_batch(prefix: str, index: "D.ShardIndex", batches: int
     return [len(set(labels.tolist())) for _, labels in itertools.islice(loader, batches)]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_shards_mix_classes_from_the_first_batch(tmp_path, caplog):
     """Bug caught: shards cut from ImageFolder's class-by-class order held one or two classes
@@ -607,6 +613,7 @@ def _batches(loader) -> list:
     return [(b[0].clone(), b[1].clone(), list(b[-1])) for b in loader]
 
 
+@pytest.mark.processes
 def test_torchvision_decoder_in_workers_and_deferred_to_the_main_process_agree(photo_shards):
     """Bugs caught: the deferred path drawing the crop or flip in another order than the
     in-worker path (other crops), decoding with another mode (grey / RGBA), a deferred batch
@@ -702,6 +709,7 @@ def test_shuffle_buffer_reads_no_sample_the_epoch_does_not_use():
         assert sorted(out) == pulled and out != pulled  # every sample read is used once, shuffled
 
 
+@pytest.mark.processes
 def test_batch_buffers_reused_only_once_nothing_refers_to_them(photo_shards):
     """Workers write batches into shared buffers the main process gave back
     (:mod:`distnorm.data.batches`). Bugs caught: a buffer given back while the batch, a view
@@ -735,6 +743,7 @@ def _sum_when_told(images, go, out) -> None:
     out.put(float(images.double().sum()))
 
 
+@pytest.mark.processes
 def test_batches_a_forked_process_inherits_keep_their_buffers(photo_shards):
     """A process forked while a batch is held shares its buffer: that buffer must never go
     back to its worker (distnorm.data.batches._before_fork). Bug caught: the child reads

@@ -332,7 +332,17 @@ def check_shards(args: list[str], tmp_path: Path) -> None:
         assert index_path == f"{prefix}-index.json"
 
 
-@pytest.mark.parametrize("where, tokens", ALL, ids=[where for where, _ in ALL])
+def _runs_in_this_process(tokens: list[str]) -> bool:
+    """The commands test_shell_command checks inside pytest (the rest start a process)."""
+    tokens = split_env(tokens)[1]
+    program, args = tokens[0], tokens[1:]
+    return program in ("pip", "distnorm-train", "distnorm-shards") or (
+        program in PYTHONS and args[:2] in (["-m", "distnorm.train"], ["-m", "distnorm.data.shards"]))
+
+
+@pytest.mark.parametrize("where, tokens", [
+    pytest.param(where, tokens, id=where, marks=() if _runs_in_this_process(tokens) else pytest.mark.processes)
+    for where, tokens in ALL])
 def test_shell_command(where, tokens, layout, tmp_path):
     env, tokens = split_env(tokens)
     check_repo_paths(tokens)

@@ -186,6 +186,7 @@ def _check_compile(results: list[dict]) -> None:
         _assert_states_close(r["eager"], r["compiled"], 1e-5)
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_compile_equals_eager():
     """Bug caught: compiled CBN with AMAT (eta = 0.5) gave gradients 18-47 % off from the

@@ -20,6 +20,8 @@ import pytest
 from tests.helpers import digits_overrides, free_port
 from tests.system import need
 
+pytestmark = pytest.mark.processes  # every test here runs a launcher (torchrun, DeepSpeed, Accelerate, Slurm)
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
 VENV_BIN = Path(sys.executable).parent

@@ -25,6 +25,8 @@ from tests.engines.lightning_train import run_reference  # noqa: E402
 from tests.test_ddp_buffers import assert_no_buffer_broadcast, broadcasts_per_step, checks_per_step  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "engines" / "lightning_train.py"
+pytestmark = pytest.mark.processes  # every test here reads a Lightning launch on 2 processes
+
 REPO = Path(__file__).resolve().parents[1]
 TOL = dict(atol=1e-10, rtol=1e-10)  # float64: measured <= 2e-15
 
@@ -183,6 +185,7 @@ def test_lightning_plugin_without_callback_is_refused(runs):
         assert "plugins=[sync], callbacks=[sync]" in rank["error"], rank["error"]
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_lightning_example_runs_on_two_processes(tmp_path):
     """Bug caught: examples/lightning_train.py (what the guide shows) drifting from the

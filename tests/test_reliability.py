@@ -20,6 +20,8 @@ import pytest
 
 from tests.helpers import digits_overrides, free_port, merged_overrides
 
+pytestmark = pytest.mark.processes  # every test here runs distnorm-train on real ranks
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
 TRACER = REPO / "tests" / "trace"  # sitecustomize: records backward passes and optimizer steps

@@ -42,6 +42,7 @@ def test_monitors_are_off_by_default_and_record_when_attached():
     assert len(TheoryMonitor(bn_model).invariant) == 19  # the convs followed by BatchNorm
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_repro_quick_writes_table_and_figures(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "distnorm.repro", "digits", "--out", str(tmp_path), "--quick",
@@ -58,6 +59,7 @@ def test_repro_quick_writes_table_and_figures(tmp_path):
     assert (tmp_path / "pub" / "repro_digits_table.md").read_text() == (tmp_path / "table.md").read_text()
 
 
+@pytest.mark.processes
 def test_report_overlays_runs_and_survives_a_truncated_line(tmp_path):
     for name, top1 in (("a", 50.0), ("b", 60.0)):
         run = tmp_path / name

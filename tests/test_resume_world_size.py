@@ -17,6 +17,8 @@ from distnorm.train.engines import state_digest
 from distnorm.train.loop import _agree_on_resume
 from tests.helpers import digits_overrides, free_port
 
+pytestmark = pytest.mark.processes  # the test runs distnorm-train on 2, 1 and 2 ranks
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "configs" / "demo" / "digits.yaml"
 

@@ -11,6 +11,7 @@ import pytest
 from tests.system import REPO, need, status
 
 
+@pytest.mark.processes
 def test_install_step_reports_every_tool_it_lists(tmp_path):
     """Bug caught: the install step claiming success for tools that are not there (a green
     run hiding a missing install). As root (CI, these machines) every tool must be present

@@ -35,6 +35,7 @@ def test_floor_is_the_one_pyproject_declares():
     assert tuple(map(int, declared)) == distnorm._TORCH_FLOOR
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(60)
 def test_import_refuses_an_old_torch():
     """The check runs before anything that would fail on an old torch with a confusing error."""

@@ -61,6 +61,7 @@ def demo_run(digits, tmp_path_factory) -> tuple[Path, subprocess.CompletedProces
     return run, _torchrun_sh(*_demo_args(digits), f"output.dir={run}", env=_env(NPROC="2"))
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_demo_path_end_to_end(demo_run):
     run, proc = demo_run
@@ -83,6 +84,7 @@ def test_demo_path_end_to_end(demo_run):
     assert (run / "report" / "monitor_tau_q50.png").is_file() and (run / "report" / "monitor_grad_variance.png").is_file()
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_two_nodes_on_loopback_equal_one_node(tmp_path, digits, demo_run):
     """Two torchrun.sh "nodes" of 1 process each (static rendezvous on loopback) train their
@@ -136,6 +138,7 @@ def dry_runs() -> dict[str, dict]:
     return {Path(r["config"]).stem: r for r in map(json.loads, proc.stdout.splitlines()) if r.get("config")}
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("config", IMAGENET_CONFIGS, ids=[p.stem for p in IMAGENET_CONFIGS])
 def test_dry_run_every_imagenet_config(config, request):
@@ -155,6 +158,7 @@ def test_dry_run_every_imagenet_config(config, request):
     assert "dry run OK: 2 steps" in proc.stdout
 
 
+@pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_kill_mid_epoch_and_resume_continues_exactly(tmp_path, digits, demo_run):
     """The demo run killed with -9 after its mid-epoch checkpoint at step 12, then started
@@ -220,6 +224,7 @@ def _checkpoint_tensors(directory: Path) -> dict[str, "torch.Tensor"]:
 
 
 # ------------------------------------------------------------------ bad input
+@pytest.mark.processes
 def test_unknown_key_and_bad_values(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(f"extends: {DEMO}\ntrain:\n  epohcs: 3\n")
@@ -268,6 +273,7 @@ def test_a_key_given_twice_is_refused_naming_the_shell_expansion(digits):
         load_config(DEMO, [*_data_overrides(digits)[1:], *expanded])
 
 
+@pytest.mark.processes
 def test_launcher_refuses_bad_split_before_starting_workers(tmp_path, digits):
     proc = _torchrun_sh(str(DEMO), *_data_overrides(digits), f"output.dir={tmp_path / 'x'}",
                         env=_env(NPROC="3"), check=False, timeout=120)
