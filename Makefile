@@ -68,13 +68,18 @@ test-cluster: $(STAMP) system-deps
 	$(PY) -m pytest -q -s -m cluster tests/test_cluster.py $(PYTEST_ARGS)
 	$(PY) bench/network.py --json bench/results/network-cpu.json --plot docs/network.png
 
-# On a machine with CUDA (2+ GPUs for the NCCL tests): the CUDA equivalence, compile and
-# checkpointing tests, the CPU suite's kernel-contract and launch-cost tests, the layer
-# benchmark and the one-GPU step benchmark, in one report: bench/results/gpu-<date>.{json,md}
-# (bench/gpu_report.py). Skips (does not fake) what the machine lacks, and says why.
+# On a machine with CUDA, in the time one is lent (bench/gpu_report.py): the CUDA tests only
+# (pytest -m cuda; the NCCL ones need 2 GPUs), then the benchmarks, eager before compiled,
+# ResNet-50 first: the one-GPU step benchmark eager, the layer benchmark, the GPU decode, two
+# compiled ResNet-50 steps. About 8 minutes on one H100, a hard budget of 7.5 (each part stopped
+# at its limit); GPU_REPORT_ARGS=--quick: under 4 (no compile, ResNet-50 only). One report,
+# <out>/gpu-<date>.{json,md}, rewritten before and after every part (a killed run keeps what
+# finished), with each part's log; <out> is $OUT when set (what a lent machine sends back), else
+# bench/results. Skips (does not fake) what the machine lacks, and says why.
 # `make test-gpu PY=python3` runs with that interpreter as it is and installs nothing (a bare
-# GPU machine without network); without PY=, the venv as for `make test`.
-# GPU_REPORT_ARGS: more options of bench/gpu_report.py, e.g. --only tests step --step-args='--models resnet50'
+# GPU machine without network, Sybil or pytest plugins); without PY=, the venv as for `make test`.
+# GPU_REPORT_ARGS: more options of bench/gpu_report.py, e.g. --quick, --only tests step_eager,
+# --part-timeout step_compile=200, --out DIR.
 GPU_PREREQ := $(if $(filter command line,$(origin PY)),,$(STAMP))
 test-gpu: $(GPU_PREREQ)
 	$(PY) bench/gpu_report.py $(if $(PYTEST_ARGS),--pytest-args='$(PYTEST_ARGS)') $(GPU_REPORT_ARGS)

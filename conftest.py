@@ -11,6 +11,12 @@ works as written). A block that cannot run here is preceded by
 
 so it is reported as skipped with its reason (the second form runs where CUDA is present).
 The shell commands of the same pages are checked by tests/test_docs.py.
+
+Sybil is required (``pip install -e ".[docs]"``), except in the GPU tier: ``make test-gpu``
+(bench/gpu_report.py) sets ``DISTNORM_TEST_TIER=gpu`` and runs only CUDA test files, on a
+bare GPU image that has no Sybil. There, without Sybil, the pages' blocks are not collected
+and the session says so once at its end; anywhere else a missing Sybil stops pytest before
+it collects anything, naming the package.
 """
 
 from __future__ import annotations
@@ -23,8 +29,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from sybil import Sybil
-from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+
+try:
+    from sybil import Sybil
+    from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+except ModuleNotFoundError as err:  # only the package itself: a broken install still raises
+    if err.name != "sybil":
+        raise
+    Sybil = None
 
 ROOT = Path(__file__).resolve().parent
 
@@ -53,12 +65,26 @@ def pytest_configure(config: pytest.Config) -> None:
     path = os.environ.get("PATH", "")
     if path.split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + path
+    if Sybil is None and not GPU_TIER:
+        raise pytest.UsageError(
+            f"Sybil is not installed for {sys.executable}: the tests run the Python blocks of README.md and "
+            'docs/ through it. Install it (pip install -e ".[docs]", or make install); on a bare GPU '
+            "machine run make test-gpu, whose CUDA tests do without it (DISTNORM_TEST_TIER=gpu).")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if Sybil is None:  # the GPU tier (anywhere else pytest_configure stopped the session)
+        terminalreporter.write_line(f"note: {NO_SYBIL}")
 
 
 #: ``make check`` sets this: only tests that run in the pytest process itself are selected
 #: (``-m "not processes and not world_size"``), and one that starts a process anyway fails,
 #: naming the marker it needs -- so the quick tier stays quick without a list to maintain.
 SINGLE_PROCESS = os.environ.get("DISTNORM_TEST_TIER") == "check"
+#: ``make test-gpu`` sets this (bench/gpu_report.py): the CUDA tests, where Sybil may be missing.
+GPU_TIER = os.environ.get("DISTNORM_TEST_TIER") == "gpu"
+NO_SYBIL = ("the Python blocks of README.md and docs/ are not collected: Sybil is not installed for "
+            f"{sys.executable} (DISTNORM_TEST_TIER=gpu, the bare GPU image)")
 
 
 def _refusing_processes(item: pytest.Item):
@@ -139,13 +165,14 @@ def _teardown(namespace: dict) -> None:
             os.environ[key] = value
 
 
-pytest_collect_file = Sybil(
-    parsers=[PythonCodeBlockParser(), SkipParser()],
-    patterns=["README.md", "docs/*.md", "docs/*/*.md"],
-    excludes=["tests/*", "launch/*", "bench/*", "examples/*", "configs/*", "distnorm/*"],
-    setup=_setup,
-    teardown=_teardown,
-).pytest()
+if Sybil is not None:
+    pytest_collect_file = Sybil(
+        parsers=[PythonCodeBlockParser(), SkipParser()],
+        patterns=["README.md", "docs/*.md", "docs/*/*.md"],
+        excludes=["tests/*", "launch/*", "bench/*", "examples/*", "configs/*", "distnorm/*"],
+        setup=_setup,
+        teardown=_teardown,
+    ).pytest()
 
 
 @pytest.fixture(autouse=True)

@@ -1,68 +1,170 @@
-"""What ``make test-gpu`` runs: the CUDA tests, the layer benchmark and the one-GPU step
-benchmark, gathered into one report, ``bench/results/gpu-<date>.json`` plus ``.md``.
+"""What ``make test-gpu`` runs on a GPU machine, in the time one is lent: the CUDA tests, then
+the benchmarks (eager before compiled, ResNet-50 first), gathered into one report,
+``<out>/gpu-<date>.json`` plus ``.md``, rewritten before and after every part.
 
-    python bench/gpu_report.py [--out bench/results] [--name gpu-<date>] [--only tests step]
-                               [--pytest-args='-k compile'] [--step-args='--models resnet50']
+    python bench/gpu_report.py [--quick] [--out DIR] [--name gpu-<date>] [--budget-s S]
+                               [--only tests step_eager ...] [--part-timeout step_compile=200]
+                               [--pytest-args='-k compile'] [--step-args='--repeats 5']
 
 Runs with the interpreter it is given and installs nothing (a bare GPU machine: torch,
-torchvision, pytest; perhaps no DeepSpeed, no WebDataset, no network). Three parts, each in
-its own process:
+torchvision, accelerate, timm, pytest; no Sybil, DeepSpeed, WebDataset, Lightning,
+pytest-timeout or network). ``<out>`` is ``--out``, else ``$OUT`` when it is set (the folder a
+lent machine sends back), else ``bench/results``. The parts, in this order, each in its own
+process (its whole output also goes to ``<out>/<name>.<part>.log`` as it runs):
 
-* **tests**: ``pytest tests/test_cuda.py tests/test_fused.py tests/test_gpu_paths.py tests/test_kernel_contracts.py``: passed / failed /
-  skipped counts, every skip reason with its count (what the machine lacks: a CUDA device,
-  a second GPU, an optional package), the failures by name (from pytest's JUnit XML).
+* **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_gpu_paths.py``
+  with ``DISTNORM_TEST_TIER=gpu`` (conftest.py then does without Sybil): the CUDA tests only,
+  passed / failed / skipped counts, every skip reason with its count (what the machine lacks:
+  a CUDA device, a second GPU, triton), the failures by name (pytest's JUnit XML,
+  ``<out>/<name>.tests.xml``).
+* **step_eager**: ``bench/step_gpu.py --modes eager``: ResNet-50 first, then ResNet-18 and
+  EfficientNet-B0 (``--quick``: ResNet-50 only), 224 px, batch 256, bf16, channels_last,
+  SGD; local BN against distnorm's SyncBatchNorm, CBN, POP-Norm and GN + BNP: step-time
+  ratio, images/s, peak memory.
 * **layers**: ``bench/layers.py --device cuda``: each layer's forward+backward against
   ``nn.BatchNorm2d``.
-* **step**: ``bench/step_gpu.py``: ResNet-18 / ResNet-50 / EfficientNet-B0, 224 px, batch
-  256, bf16, channels_last, SGD; local BN against distnorm's SyncBatchNorm, CBN, POP-Norm
-  and GN + BNP, eager and compiled: step-time ratio, images/s, peak memory.
-* **decode**: ``bench/decode_gpu.py``: the data pipeline's ``decode_device: cuda`` path
-  (batched nvJPEG decode, crop, flip, normalize on the GPU) against PIL on one core.
+* **decode**: ``bench/decode_gpu.py --device cuda``: the data pipeline's ``decode_device:
+  cuda`` path (batched nvJPEG decode, crop, flip, normalize on the GPU) against PIL on one core.
+* **step_compile**: ``bench/step_gpu.py --modes compile --models resnet50 --variants local_bn
+  cbn``: two inductor compiles, timed against local BN eager (not in ``--quick``).
+
+**Time.** The run has a budget (``--budget-s``: 450 s, ``--quick`` 210 s) and each part a
+limit (:data:`PLANS`); a part gets the smaller of its limit and what is left of the budget,
+is stopped with every process it started when that runs out (status ``timed out``), and is
+not started with less than :data:`MIN_PART_S` left (``skipped``). The benchmarks write their
+JSON as they go (``<out>/<name>.<part>.json``), so a stopped part keeps what it finished, and
+the report is rewritten before each part (``running``) and after it, so a run killed from
+outside keeps every part that finished.
+
+**Triton.** The report records the facts that decide whether Triton kernels can run: whether
+``triton`` imports and its version, the C compiler Triton builds its launchers with (``$CC``,
+else ``gcc``, else ``clang`` on ``PATH``, as ``triton/runtime/build.py`` picks it) and its
+version, ``DISTNORM_TRITON``; and, per part, the lines of its output that report a Triton
+warning or failure (distnorm warns once when its kernels fall back to the ATen composite).
 
 Without CUDA the benchmarks are marked "skipped: no CUDA device" (the tests skip their CUDA
 cases themselves, and say so), and the report is still written. Each part's ``status`` is
-``ran``, ``skipped`` (with its ``reason``) or ``failed``; the exit status is 1 when a test
-failed or a part crashed, else 0.
+``ran``, ``skipped`` (with its ``reason``), ``failed`` or ``timed out``; the exit status is 1
+when a test failed or a part failed or timed out, else 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
+import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter, deque
-from datetime import date
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
 from pathlib import Path
 
 import torch
 
-from _common import REPO, machine, write_json
+from _common import REPO, machine
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("tests", "layers", "step", "decode")
-TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_gpu_paths.py", "tests/test_kernel_contracts.py"]
+PARTS = ("tests", "step_eager", "layers", "decode", "step_compile")
+TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_gpu_paths.py"]
+#: Only the tests that need CUDA (the CPU tests of these files run in ``make test``).
+TEST_MARKER = "cuda"
+#: What the tests' process gets: conftest.py collects without Sybil in this tier.
+TEST_ENV = {"DISTNORM_TEST_TIER": "gpu"}
 #: Packages whose absence some tests skip over, or that the report should name.
-OPTIONAL = ("torchvision", "timm", "accelerate", "deepspeed", "webdataset", "triton", "pytest", "pytest_timeout")
+OPTIONAL = ("torchvision", "timm", "accelerate", "deepspeed", "webdataset", "lightning", "sybil", "triton",
+            "pytest", "pytest_timeout")
 NO_CUDA = "no CUDA device"
+#: A part is not started with less than this many seconds of the budget left.
+MIN_PART_S = 15.0
+#: An output line that reports a Triton warning or failure (distnorm's fallback warning included).
+TRITON_MESSAGE = re.compile(r"(?i)triton.*(warn|error|fail|fall)|(warn|error|fail).*triton")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run the report: its time budget, and per part a time limit and arguments."""
+
+    budget_s: float
+    limits_s: dict[str, float]
+    args: dict[str, tuple[str, ...]]
+
+
+#: The default fits 8 minutes on one H100 and ``--quick`` 4 (docs/reference/gpu.md: how these
+#: limits were estimated). A part absent from ``limits_s`` is not run in that plan.
+PLANS = {
+    "default": Plan(
+        budget_s=450,
+        limits_s={"tests": 240, "step_eager": 150, "layers": 90, "decode": 90, "step_compile": 300},
+        args={"step_eager": ("--modes", "eager"),
+              "step_compile": ("--modes", "compile", "--models", "resnet50", "--variants", "local_bn", "cbn")}),
+    "quick": Plan(
+        budget_s=210,
+        limits_s={"tests": 150, "step_eager": 60, "layers": 45, "decode": 30},
+        args={"step_eager": ("--modes", "eager", "--models", "resnet50"), "layers": ("--repeats", "5"),
+              "decode": ("--repeats", "1")}),
+}
+SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "layers": "layers.py", "decode": "decode_gpu.py"}
+
+
+def default_out() -> str:
+    """``$OUT`` (what a lent GPU machine sends back) when set, else ``bench/results``."""
+    return os.environ.get("OUT") or str(HERE / "results")
+
+
+def _part_timeout(text: str) -> tuple[str, float]:
+    part, _, seconds = text.partition("=")
+    if part not in PARTS:
+        raise argparse.ArgumentTypeError(f"unknown part {part!r} in {text!r}: choose from {', '.join(PARTS)}")
+    try:
+        value = float(seconds)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give PART=SECONDS with SECONDS > 0, e.g. step_compile=200")
+    return part, value
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=str(HERE / "results"), help="folder of the report")
+    parser.add_argument("--quick", action="store_true", help="the 4-minute plan: no compiled step, ResNet-50 only")
+    parser.add_argument("--out", help="folder of the report (default: $OUT when set, else bench/results)")
     parser.add_argument("--name", default=f"gpu-{date.today().isoformat()}", help="file stem of the report")
-    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run")
+    parser.add_argument("--only", nargs="+", choices=PARTS, help="parts to run (default: the plan's)")
+    parser.add_argument("--budget-s", type=float, help="seconds for the whole run (default: 450, --quick 210)")
+    parser.add_argument("--part-timeout", type=_part_timeout, action="append", default=[], metavar="PART=SECONDS",
+                        help="override one part's time limit (repeatable)")
     parser.add_argument("--tests", nargs="+", default=TESTS, help="test files (relative to the repository)")
     parser.add_argument("--pytest-args", default="", help="more pytest arguments, one string (use --pytest-args=...)")
     parser.add_argument("--layers-args", default="", help="more bench/layers.py arguments, one string")
-    parser.add_argument("--step-args", default="", help="more bench/step_gpu.py arguments, one string")
+    parser.add_argument("--step-args", default="", help="more bench/step_gpu.py arguments (both step parts)")
+    parser.add_argument("--decode-args", default="", help="more bench/decode_gpu.py arguments, one string")
     return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    plan = PLANS["quick" if args.quick else "default"]
+    args.budget_s = plan.budget_s if args.budget_s is None else args.budget_s
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0, got {args.budget_s}")
+    args.limits_s = {**plan.limits_s, **dict(args.part_timeout)}
+    args.plan_args = plan.args
+    args.out = args.out or default_out()
+    if not args.name or "/" in args.name:
+        parser.error(f"--name must be a file stem without '/', got {args.name!r}")
+    return args
 
 
 # ------------------------------------------------------------------------ environment
@@ -94,18 +196,92 @@ def packages() -> dict[str, str | None]:
     return found
 
 
+def c_compiler() -> dict:
+    """The C compiler Triton would build its launchers with, as ``triton/runtime/build.py``
+    picks it (``$CC``, else ``gcc``, else ``clang`` on ``PATH``), and its ``--version`` line."""
+    if os.environ.get("CC"):
+        path, source = shutil.which(os.environ["CC"]) or os.environ["CC"], "$CC"
+    else:
+        found = [(shutil.which(name), f"{name} on PATH") for name in ("gcc", "clang")]
+        path, source = next(((p, s) for p, s in found if p), (None, "none: no $CC, gcc or clang on PATH"))
+    version = None
+    if path:
+        try:
+            proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+            version = (proc.stdout or proc.stderr).strip().splitlines()[0] if (proc.stdout or proc.stderr).strip() \
+                else f"exit {proc.returncode}"
+        except (OSError, subprocess.SubprocessError) as err:
+            version = f"cannot run: {err}"
+    return {"path": path, "source": source, "version": version}
+
+
+def triton_info() -> dict:
+    """Whether ``triton`` imports here (not just whether it is installed), its version, the
+    C compiler for its launchers, and ``DISTNORM_TRITON``."""
+    try:
+        triton = importlib.import_module("triton")
+        imported = {"imports": True, "version": getattr(triton, "__version__", "unknown"), "error": None}
+    except Exception as err:  # noqa: BLE001 - any import failure is a fact to report
+        imported = {"imports": False, "version": None, "error": f"{type(err).__name__}: {err}"}
+    return {**imported, "cc": c_compiler(), "DISTNORM_TRITON": os.environ.get("DISTNORM_TRITON")}
+
+
 # ---------------------------------------------------------------------------- running
-def run_streamed(cmd: list[str]) -> tuple[int, list[str], float]:
-    """Run ``cmd`` in the repository, echoing its output; return code, last lines, seconds."""
+@dataclass
+class Finished:
+    """How a part's process ended."""
+
+    rc: int | None  # None: stopped at its time limit
+    tail: list[str]
+    wall_s: float
+    triton_messages: list[str]
+
+
+def run_part(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
+    """Run ``cmd`` in the repository in a session of its own, echoing its output and writing
+    it to ``log`` line by line; at ``timeout_s`` stop it and every process it started (the
+    whole session: pytest's ranks, inductor's compile workers). Returns how it ended."""
     print(f"$ {shlex.join(cmd)}", flush=True)
     start = time.perf_counter()
     tail: deque[str] = deque(maxlen=40)
-    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            tail.append(line.rstrip("\n"))
-    return proc.returncode, list(tail), round(time.perf_counter() - start, 1)
+    triton: list[str] = []
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as sink:
+        sink.write(f"$ {shlex.join(cmd)}\n")
+        sink.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env={**os.environ, **(env or {})}, start_new_session=True)
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                sink.write(line)
+                sink.flush()
+                tail.append(line.rstrip("\n"))
+                if TRITON_MESSAGE.search(line) and len(triton) < 20:
+                    triton.append(line.strip()[:400])
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:  # also on an interrupt of this process: nothing it started keeps the GPU
+            _stop_session(proc)
+        reader.join(timeout=10)
+        if rc is None:
+            sink.write(f"[gpu_report: stopped after {timeout_s:.0f} s, its time limit]\n")
+    return Finished(rc, list(tail), round(time.perf_counter() - start, 1), triton)
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 def junit_summary(path: Path) -> dict:
@@ -128,30 +304,51 @@ def junit_summary(path: Path) -> dict:
             "skipped": counts["skipped"], "skip_reasons": dict(reasons.most_common()), "failures": failures}
 
 
-def run_tests(args: argparse.Namespace) -> dict:
+def pytest_command(args: argparse.Namespace, junit: Path) -> list[str]:
+    """The tests part's command: the CUDA tests of ``args.tests``, a JUnit report."""
+    return [sys.executable, "-m", "pytest", "-q", "-rs", "-m", TEST_MARKER, *args.tests, *shlex.split(args.pytest_args),
+            "-p", "no:cacheprovider", f"--junitxml={junit}"]
+
+
+def run_tests(args: argparse.Namespace, timeout_s: float) -> dict:
     if importlib.util.find_spec("pytest") is None:
         return {"status": "skipped", "reason": f"pytest is not installed for {sys.executable}"}
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "junit.xml"
-        shown = ["-m", "pytest", "-q", "-rs", *args.tests, *shlex.split(args.pytest_args)]
-        rc, tail, wall = run_streamed([sys.executable, *shown, "-p", "no:cacheprovider", f"--junitxml={xml}"])
-        part = {"command": shlex.join(["python", *shown]), "rc": rc, "wall_s": wall}
-        if not xml.exists():  # pytest did not get as far as running tests (a usage error, a crash)
-            return {**part, "status": "failed", "reason": f"pytest exited {rc} without a report", "output_tail": tail}
-        part.update(junit_summary(xml))
-    bad = part["failed"] or part["errors"] or rc not in (0, 5)  # 5: nothing collected
-    return {**part, "status": "failed" if bad else "ran", **({"output_tail": tail} if bad else {})}
+    out = Path(args.out)
+    xml = out / f"{args.name}.tests.xml"
+    xml.unlink(missing_ok=True)  # a report from an earlier run of the same name is not this run's
+    cmd = pytest_command(args, xml)
+    done = run_part(cmd, out / f"{args.name}.tests.log", timeout_s, env=TEST_ENV)
+    part = {"command": shlex.join(["python", *cmd[1:-3]]), "rc": done.rc, "wall_s": done.wall_s,
+            "log": f"{args.name}.tests.log", "triton_messages": done.triton_messages}
+    if done.rc is None:
+        return {**part, "status": "timed out", "reason": f"stopped after {timeout_s:.0f} s (its time limit)",
+                "output_tail": done.tail}
+    if not xml.exists():  # pytest did not get as far as running tests (a usage error, a crash)
+        return {**part, "status": "failed", "reason": f"pytest exited {done.rc} without a report",
+                "output_tail": done.tail}
+    part.update(junit_summary(xml))
+    bad = part["failed"] or part["errors"] or done.rc not in (0, 5)  # 5: nothing collected
+    return {**part, "status": "failed" if bad else "ran", **({"output_tail": done.tail} if bad else {})}
 
 
-def run_benchmark(script: str, extra: str, *fixed: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(HERE / script), *fixed, *shlex.split(extra), "--json", str(out)]
-        rc, tail, wall = run_streamed(cmd)
-        part = {"command": shlex.join(["python", f"bench/{script}", *cmd[2:-2]]), "rc": rc, "wall_s": wall}
-        if rc != 0 or not out.exists():
-            return {**part, "status": "failed", "reason": f"exited {rc}", "output_tail": tail}
-        return {**part, "status": "ran", "result": json.loads(out.read_text())}
+def run_benchmark(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
+    out = Path(args.out)
+    result = out / f"{args.name}.{name}.json"
+    result.unlink(missing_ok=True)
+    extra = {"step_eager": args.step_args, "step_compile": args.step_args, "layers": args.layers_args,
+             "decode": args.decode_args}[name]
+    shown = [f"bench/{SCRIPTS[name]}", "--device", "cuda", *args.plan_args.get(name, ()), *shlex.split(extra)]
+    cmd = [sys.executable, str(REPO / shown[0]), *shown[1:], "--json", str(result)]
+    done = run_part(cmd, out / f"{args.name}.{name}.log", timeout_s)
+    part = {"command": shlex.join(["python", *shown]), "rc": done.rc, "wall_s": done.wall_s,
+            "log": f"{args.name}.{name}.log", "triton_messages": done.triton_messages}
+    payload = json.loads(result.read_text()) if result.exists() else None
+    if done.rc is None:
+        return {**part, "status": "timed out", "reason": f"stopped after {timeout_s:.0f} s (its time limit)",
+                "output_tail": done.tail, **({"result": payload} if payload else {})}
+    if done.rc != 0 or payload is None:
+        return {**part, "status": "failed", "reason": f"exited {done.rc}", "output_tail": done.tail}
+    return {**part, "status": "ran", "result": payload}
 
 
 # ----------------------------------------------------------------------------- report
@@ -159,18 +356,61 @@ def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f}"
 
 
+def _status_line(part: dict) -> str:
+    return f"{part['status']}: {part.get('reason', '')}".rstrip(": ")
+
+
+def _step_lines(step: dict) -> list[str]:
+    if "result" not in step:
+        return [_status_line(step), ""]
+    result = step["result"]
+    cfg = result["config"]
+    lines = [] if step["status"] == "ran" else [_status_line(step) + "; what it finished:", ""]
+    lines += [f"`{step['command']}`: batch {cfg['batch']}, {cfg['size']} px, {cfg['amp'] or 'float32'}, "
+              f"channels_last, {cfg['optimizer']}, median of {cfg['repeats']} interleaved steps; "
+              f"ratio against local BN eager timed in the same block (lower is better).", "",
+              "| model | variant | mode | step ms | × local BN eager | images/s | peak GiB | first step s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for model, r in result["models"].items():
+        for variant, modes in r["variants"].items():
+            for mode, e in modes.items():
+                lines.append(f"| {model} | {variant} | {mode} | {e['median_step_ms']:.1f} | "
+                             f"{e['ratio_vs_local_bn_eager']:.3f} | {e['images_per_s']:.0f} | "
+                             f"{_gib(e['peak_memory_bytes'])} | {e['first_step_s']:.1f} |")
+    timed = {(m, v, mode) for m, r in result["models"].items() for v, modes in r["variants"].items() for mode in modes}
+    untimed = [b for b in result.get("built", []) if (b["model"], b["variant"], b["mode"]) not in timed]
+    if untimed and not result.get("complete", True):
+        lines.append("")
+        lines += [f"* built, not timed (the run stopped first): {b['model']} {b['variant']} {b['mode']}, "
+                  f"first step {b['first_step_s']:.1f} s" for b in untimed]
+    lines += [f"* {mode} skipped: {why}" for mode, why in result.get("skipped", {}).items()]
+    if result.get("triton"):
+        lines.append(f"* after the run: {result['triton']}")
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
-    m, cuda = report["machine"], report["cuda"]
+    m, cuda, triton = report["machine"], report["cuda"], report["triton"]
     gpus = ", ".join(cuda["devices"]) or cuda["reason"]
     missing = [name for name, version in report["packages"].items() if version is None]
+    cc = triton["cc"]
     lines = [f"# GPU report, {report['name']}", "",
              f"Machine: {gpus}; torch {m['torch']} (CUDA {cuda['torch_cuda'] or 'none'}), Python {m['python']}, "
              f"{m['cpu_count']} CPUs. Not installed: {', '.join(missing) or 'nothing missing'}. "
-             f"Command: `{report['command']}`.", ""]
+             f"Command: `{report['command']}`; budget {report['budget_s']:.0f} s, started {report['started']}.", "",
+             f"Triton: {'imports, ' + triton['version'] if triton['imports'] else 'does not import: ' + str(triton['error'])}; "
+             f"C compiler for its launchers: {cc['path'] or 'none'} ({cc['source']}; {cc['version'] or 'no version'}); "
+             f"DISTNORM_TRITON={triton['DISTNORM_TRITON'] or 'unset'}.", "",
+             "| part | status | s | Triton warnings / failures in its output |", "|---|---|---|---|"]
+    for name, part in report["parts"].items():
+        messages = "; ".join(f"`{line[:120]}`" for line in part.get("triton_messages", [])[:3]) or "none"
+        lines.append(f"| {name} | {_status_line(part)} | {part.get('wall_s', '')} | "
+                     f"{messages if 'triton_messages' in part else ''} |")
+    lines.append("")
     tests = report["parts"]["tests"]
     lines += ["## Tests", ""]
-    if tests["status"] == "skipped" or "passed" not in tests:
-        lines += [f"{tests['status']}: {tests.get('reason', '')}", ""]
+    if "passed" not in tests:
+        lines += [_status_line(tests), ""]
     else:
         lines += [f"`{tests['command']}` ({tests['wall_s']} s)", "",
                   "| passed | failed | errors | skipped |", "|---|---|---|---|",
@@ -180,39 +420,21 @@ def markdown(report: dict) -> str:
             lines += [f"| {n} | {reason} |" for reason, n in tests["skip_reasons"].items()] + [""]
         lines += [f"* FAILED `{f['test']}`: {f['message'].splitlines()[0] if f['message'] else f['kind']}"
                   for f in tests["failures"]] + ([""] if tests["failures"] else [])
+    lines += ["## Training step, eager (one GPU)", "", *_step_lines(report["parts"]["step_eager"])]
     layers = report["parts"]["layers"]
     lines += ["## Layer benchmark (forward + backward, one GPU)", ""]
     if layers["status"] != "ran":
-        lines += [f"{layers['status']}: {layers.get('reason', '')}", ""]
+        lines += [_status_line(layers), ""]
     else:
         lines += [f"`{layers['command']}`", "", "| shape | layer | median ms | × BatchNorm2d |", "|---|---|---|---|"]
         for entry in layers["result"]["shapes"]:
             for name, ms in entry["median_ms"].items():
                 lines.append(f"| {tuple(entry['shape'])} | {name} | {ms:.3f} | {entry['ratio_vs_batchnorm2d'][name]:.3f} |")
         lines.append("")
-    step = report["parts"]["step"]
-    lines += ["## Training step (one GPU)", ""]
-    if step["status"] != "ran":
-        lines += [f"{step['status']}: {step.get('reason', '')}", ""]
-    else:
-        cfg = step["result"]["config"]
-        lines += [f"`{step['command']}`: batch {cfg['batch']}, {cfg['size']} px, {cfg['amp'] or 'float32'}, "
-                  f"channels_last, {cfg['optimizer']}, median of {cfg['repeats']} interleaved steps; "
-                  f"ratio against local BN eager in the same run (lower is better).", "",
-                  "| model | variant | mode | step ms | × local BN eager | images/s | peak GiB | first step s |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for model, r in step["result"]["models"].items():
-            for variant, modes in r["variants"].items():
-                for mode, e in modes.items():
-                    lines.append(f"| {model} | {variant} | {mode} | {e['median_step_ms']:.1f} | "
-                                 f"{e['ratio_vs_local_bn_eager']:.3f} | {e['images_per_s']:.0f} | "
-                                 f"{_gib(e['peak_memory_bytes'])} | {e['first_step_s']:.1f} |")
-        lines += [f"* {mode} skipped: {why}" for mode, why in step["result"].get("skipped", {}).items()]
-        lines.append("")
     decode = report["parts"]["decode"]
     lines += ["## JPEG decode + ImageNet transform (data.decode_device)", ""]
     if decode["status"] != "ran":
-        lines += [f"{decode['status']}: {decode.get('reason', '')}", ""]
+        lines += [_status_line(decode), ""]
     else:
         r = decode["result"]
         lines += [f"`{decode['command']}`: {r['images']} images, batch {r['batch_size']}, crop {r['crop']}; "
@@ -220,38 +442,79 @@ def markdown(report: dict) -> str:
                   "| path | images/s | × PIL on 1 core |", "|---|---|---|"]
         ips = r["images_per_second"]
         lines += [f"| {name} | {ips[name]:.0f} | {ips[name] / ips['pil_1_core']:.2f} |" for name in ips] + [""]
+    lines += ["## Training step, compiled (one GPU)", "", *_step_lines(report["parts"]["step_compile"])]
     return "\n".join(lines)
 
 
+def write_report(report: dict, out: Path) -> None:
+    """``<name>.json`` and ``<name>.md`` in ``out``, each through a rename: a kill mid-write
+    leaves the previous version."""
+    out.mkdir(parents=True, exist_ok=True)
+    for suffix, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", markdown(report))):
+        target = out / f"{report['name']}{suffix}"
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, target)
+
+
+def _run_part(part: str, args: argparse.Namespace, timeout_s: float, report: dict, out: Path) -> dict:
+    """Mark ``part`` running in the report on disk (a run killed from outside shows where it
+    was), then run it."""
+    report["parts"][part] = {"status": "running", "reason": f"started with a {timeout_s:.0f} s limit; a report that "
+                                                            "still says so was stopped from outside"}
+    write_report(report, out)
+    return run_tests(args, timeout_s) if part == "tests" else run_benchmark(part, args, timeout_s)
+
+
+def _stop_on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # run_part stops its part's session on the way out
+
+
 def main(argv=None) -> int:
-    args = get_args_parser().parse_args(argv)
+    args = parse_args(argv)
+    out = Path(args.out)
+    deadline = time.monotonic() + args.budget_s
     cuda = cuda_info()
     report = {"report": "gpu", "name": args.name,
               "command": shlex.join(["python", "bench/gpu_report.py", *(sys.argv[1:] if argv is None else argv)]),
-              "machine": machine(), "cuda": cuda, "packages": packages(), "parts": {}}
+              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "budget_s": args.budget_s,
+              "limits_s": args.limits_s, "machine": machine(), "cuda": cuda, "packages": packages(),
+              "triton": triton_info(), "parts": {}}
     parts = report["parts"]
+    wanted = [p for p in PARTS if (args.only is None and p in args.limits_s) or (args.only and p in args.only)]
     for part in PARTS:
-        if part not in args.only:
-            parts[part] = {"status": "skipped", "reason": "not asked for (--only)"}
-        elif part == "tests":  # with or without CUDA: the tests skip what the machine lacks themselves
-            parts[part] = run_tests(args)
-        elif not cuda["device_count"]:
-            parts[part] = {"status": "skipped", "reason": cuda["reason"]}
-            print(f"{part}: skipped: {cuda['reason']}")
-        elif part == "layers":
-            parts[part] = run_benchmark("layers.py", args.layers_args, "--device", "cuda")
-        elif part == "decode":
-            parts[part] = run_benchmark("decode_gpu.py", "", "--device", "cuda")
-        else:
-            parts[part] = run_benchmark("step_gpu.py", args.step_args, "--device", "cuda")
-    out = Path(args.out)
-    write_json(str(out / f"{args.name}.json"), report)
-    (out / f"{args.name}.md").write_text(markdown(report))
+        parts[part] = {"status": "pending"} if part in wanted else \
+            {"status": "skipped", "reason": "not asked for (--only)" if args.only else "not in this plan (--quick)"}
+    write_report(report, out)
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        for part in wanted:
+            left = deadline - time.monotonic()
+            if left < MIN_PART_S:
+                parts[part] = {"status": "skipped", "reason": f"no time left: {left:.0f} s of the {args.budget_s:.0f} s "
+                                                              "budget (--budget-s)"}
+            elif part == "tests":  # with or without CUDA: the tests skip what the machine lacks themselves
+                parts[part] = _run_part(part, args, min(args.limits_s.get(part, left), left), report, out)
+            elif not cuda["device_count"]:
+                parts[part] = {"status": "skipped", "reason": cuda["reason"]}
+            else:
+                parts[part] = _run_part(part, args, min(args.limits_s.get(part, left), left), report, out)
+            print(f"{part}: {_status_line(parts[part])}", flush=True)
+            write_report(report, out)
+    except KeyboardInterrupt as stop:
+        for part in PARTS:
+            if parts[part]["status"] in ("pending", "running"):
+                parts[part] = {"status": "skipped" if parts[part]["status"] == "pending" else "failed",
+                               "reason": f"gpu_report was stopped ({stop or 'interrupt'})"}
+        write_report(report, out)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote {out / (args.name + '.md')}")
     for name, part in parts.items():
         summary = {k: part[k] for k in ("passed", "failed", "errors", "skipped") if k in part}
-        print(f"{name}: {part['status']}{': ' + part['reason'] if part.get('reason') else ''} {summary or ''}".rstrip())
-    return 1 if any(p["status"] == "failed" for p in parts.values()) else 0
+        print(f"{name}: {_status_line(part)} {summary or ''}".rstrip())
+    return 1 if any(p["status"] in ("failed", "timed out") for p in parts.values()) else 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ BatchNorm, eager and ``torch.compile``d, in the same run.
     python bench/step_gpu.py --json bench/results/step-gpu.json [--models resnet50] [--modes eager]
     python bench/step_gpu.py --smoke --device cpu --modes eager    # tiny sizes, for the tests
 
-ResNet-18, ResNet-50 and EfficientNet-B0 (torchvision, 1000 classes, their own activations)
+ResNet-50, ResNet-18 and EfficientNet-B0 (torchvision, 1000 classes, their own activations)
 at 224 px, batch 256, bf16 autocast, channels_last, SGD (momentum 0.9, weight decay 1e-4,
 lr 0.01 so that AMAT's eta = 0.9: CBN's history path, the most expensive one; ``set_lr`` is
 called before every step, as a recipe does), in five variants built by ``bench/step.py``'s
@@ -15,13 +15,18 @@ stays eager). One process: the synchronized layers have no peers and skip their 
 so this measures what the layers cost in compute and kernel launches; ``bench/step.py``
 measures the collectives under DDP.
 
-Per model, every variant and mode is built once and kept, and the steps are timed round-
-robin (median of ``--repeats``; ``_common.interleaved_medians``), so machine noise hits all
-alike (the compiled variants of a model share dynamo's cache for the model's ``forward``:
-one entry each, within its recompile limit of 8; no recompiles after the first step).
-Reported per variant and mode: median step ms, ``ratio_vs_local_bn_eager`` (the baseline of
-the same run; lower is better), images/s (batch / median step), ``first_step_s`` (for a
-compiled variant: the compile), and on CUDA ``peak_memory_bytes``: the most
+The work comes in blocks, every eager block before any compiled one and the models in the
+order given (ResNet-50 first by default), so a run cut short keeps the cheap figures: a
+model's eager block builds every variant eager; its compiled block builds local BN eager
+(the baseline) and every variant compiled. In a block each model is built once and kept, and
+the steps are timed round-robin (median of ``--repeats``; ``_common.interleaved_medians``),
+so machine noise hits all alike (the compiled variants of a model share dynamo's cache for
+the model's ``forward``: one entry each, within its recompile limit of 8; no recompiles
+after the first step). ``--json`` is rewritten after every build and every block
+(``"complete": false`` until the end), so a killed run leaves what it finished.
+Reported per variant and mode: median step ms, ``ratio_vs_local_bn_eager`` (against local BN
+eager timed in the same block; lower is better), images/s (batch / median step),
+``first_step_s`` (for a compiled variant: the compile), and on CUDA ``peak_memory_bytes``: the most
 ``torch.cuda.max_memory_allocated`` reached in one step (reset before it) above what was
 allocated before the variant was built (its parameters, gradients, optimizer state and
 activations; not the input batch, not the other variants).
@@ -30,20 +35,24 @@ activations; not the input batch, not the other variants).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
+import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from _common import interleaved_medians, machine, synchronize, write_json  # noqa: I001  (sets sys.path)
+from _common import interleaved_medians, machine, synchronize  # noqa: I001  (sets sys.path)
 from step import build  # noqa: I001
 
 import distnorm
 from distnorm import models
+from distnorm._fused import triton_enabled
 
-MODELS = ("resnet18", "resnet50", "efficientnet_b0")
+MODELS = ("resnet50", "resnet18", "efficientnet_b0")
 VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn")
 MODES = ("eager", "compile")
 BASELINE = ("local_bn", "eager")
@@ -63,7 +72,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
                         help="local_bn is always included (the baseline)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="eager is always included (the baseline)")
+                        help="eager blocks run before compiled ones; local BN eager is timed in every block (the baseline)")
     parser.add_argument("--batch", type=int, help=f"default {FULL['batch']}")
     parser.add_argument("--size", type=int, help=f"input side in pixels, default {FULL['size']}")
     parser.add_argument("--repeats", type=int, help=f"timed steps per variant (median), default {FULL['repeats']}")
@@ -80,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.variants = ["local_bn", *[v for v in args.variants if v != "local_bn"]]
-    args.modes = ["eager", *[m for m in args.modes if m != "eager"]]
+    args.modes = [m for m in MODES if m in args.modes]  # eager first
     if min(args.batch, args.size, args.repeats) < 1:
         parser.error("--batch, --size and --repeats must be >= 1")
     return args
@@ -117,35 +126,61 @@ def peak_step_bytes(step, device: torch.device, before: int) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> dict:
+def run_block(name: str, mode: str, args: argparse.Namespace, device: torch.device, built) -> dict:
+    """Build every variant of model ``name`` in ``mode`` (and, for a compiled block, local BN
+    eager as the baseline), then time them round-robin. ``built(variant, mode, first_step_s)``
+    is called after each build."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device, memory_format=torch.channels_last)
     y = torch.randint(0, NUM_CLASSES, (args.batch,), generator=gen).to(device)
+    members = [(variant, mode) for variant in args.variants]
+    if BASELINE not in members:
+        members.insert(0, BASELINE)
     steps, first, peak = {}, {}, {}
-    for variant in args.variants:
-        for mode in args.modes:
-            before = _allocated(device)
-            model = build(name, variant, num_classes=NUM_CLASSES).to(device, memory_format=torch.channels_last)
-            forward = torch.compile(model, backend=args.compile_backend) if mode == "compile" else model
-            step = make_step(model, forward, x, y, args.amp)
-            start = time.perf_counter()
-            step()  # compiled: the compile
-            synchronize(device)
-            first[variant, mode] = time.perf_counter() - start
-            step()  # after the first step's lazy state (optimizer momentum, AMAT history, autotuning)
-            peak[variant, mode] = peak_step_bytes(step, device, before)
-            steps[variant, mode] = step
-            print(f"  {name} {variant} {mode}: first step {first[variant, mode]:.1f} s", flush=True)
+    for variant, member_mode in members:
+        before = _allocated(device)
+        model = build(name, variant, num_classes=NUM_CLASSES).to(device, memory_format=torch.channels_last)
+        forward = torch.compile(model, backend=args.compile_backend) if member_mode == "compile" else model
+        step = make_step(model, forward, x, y, args.amp)
+        start = time.perf_counter()
+        step()  # compiled: the compile
+        synchronize(device)
+        first[variant, member_mode] = time.perf_counter() - start
+        step()  # after the first step's lazy state (optimizer momentum, AMAT history, autotuning)
+        peak[variant, member_mode] = peak_step_bytes(step, device, before)
+        steps[variant, member_mode] = step
+        print(f"  {name} {variant} {member_mode}: first step {first[variant, member_mode]:.1f} s", flush=True)
+        built(variant, member_mode, round(first[variant, member_mode], 2))
     medians = interleaved_medians(steps, args.repeats, device, warmup=1)
     base = medians[BASELINE]
-    table = {variant: {mode: {"median_step_ms": round(medians[variant, mode] * 1e3, 3),
-                              "ratio_vs_local_bn_eager": round(medians[variant, mode] / base, 4),
-                              "images_per_s": round(args.batch / medians[variant, mode], 1),
-                              "peak_memory_bytes": peak[variant, mode],
-                              "first_step_s": round(first[variant, mode], 2)}
-                       for mode in args.modes}
-             for variant in args.variants}
-    return {"input": [args.batch, 3, args.size, args.size], "variants": table}
+    table = {variant: {member_mode: {"median_step_ms": round(medians[variant, member_mode] * 1e3, 3),
+                                     "ratio_vs_local_bn_eager": round(medians[variant, member_mode] / base, 4),
+                                     "images_per_s": round(args.batch / medians[variant, member_mode], 1),
+                                     "peak_memory_bytes": peak[variant, member_mode],
+                                     "first_step_s": round(first[variant, member_mode], 2)}}
+             for variant, member_mode in steps if member_mode == mode}
+    return {"baseline_ms": round(base * 1e3, 3), "variants": table}
+
+
+def write_atomically(path: str | None, payload: dict) -> None:
+    """Write ``payload`` as JSON to ``path`` (if given) through a temporary file and a rename,
+    so that a run killed mid-write leaves the previous version, never half a file."""
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, target)
+
+
+def _triton_state(device: torch.device) -> dict | None:
+    """Whether distnorm's fused operators still take their Triton kernels (no launch failed in
+    this process; CUDA only) and the Triton version; None on other devices."""
+    if device.type != "cuda":
+        return None
+    version = importlib.metadata.version("triton") if importlib.util.find_spec("triton") else None
+    return {"triton": version, "distnorm_fused_ops_on_triton": triton_enabled()}
 
 
 def main(argv=None) -> dict:
@@ -159,15 +194,8 @@ def main(argv=None) -> dict:
         print(f"compile: skipped ({skipped['compile']})")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # as training recipes do; the warm-up steps absorb the tuning
-    results = {}
-    for name in args.models:
-        results[name] = bench_model(name, args, device)
-        torch._dynamo.reset()  # compiled code of this model's variants: free it, and their cache slots
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    ratios = {f"step_{variant}_{mode}_vs_local_bn_eager_{name}": entry["ratio_vs_local_bn_eager"]
-              for name, r in results.items() for variant, modes in r["variants"].items()
-              for mode, entry in modes.items() if (variant, mode) != BASELINE}
+    results = {name: {"input": [args.batch, 3, args.size, args.size], "variants": {}, "baseline_ms": {}}
+               for name in args.models}
     payload = {
         "benchmark": "step_gpu",
         "machine": machine(),
@@ -175,11 +203,34 @@ def main(argv=None) -> dict:
         "config": {"batch": args.batch, "size": args.size, "repeats": args.repeats, "amp": "bf16" if args.amp else None,
                    "channels_last": True, "optimizer": "SGD(lr=0.01, momentum=0.9, weight_decay=1e-4)",
                    "compile_backend": args.compile_backend, "cudnn_benchmark": device.type == "cuda",
-                   "smoke": args.smoke},
+                   "smoke": args.smoke, "models": args.models, "variants": args.variants, "modes": args.modes},
+        "complete": False,
+        "built": [],  # every build as it finishes: what a run cut short got as far as
         "models": results,
         "skipped": skipped,
-        "ratios": ratios,
+        "ratios": {},
     }
+
+    def built(name: str, variant: str, mode: str, first_step_s: float) -> None:
+        payload["built"].append({"model": name, "variant": variant, "mode": mode, "first_step_s": first_step_s})
+        write_atomically(args.json, payload)
+
+    for mode in args.modes:  # every eager block before any compiled one
+        for name in args.models:
+            block = run_block(name, mode, args, device, lambda v, m, s, name=name: built(name, v, m, s))
+            results[name]["baseline_ms"][mode] = block["baseline_ms"]
+            for variant, entry in block["variants"].items():
+                results[name]["variants"].setdefault(variant, {}).update(entry)
+            if mode == "compile":
+                torch._dynamo.reset()  # this model's compiled code: free it, and its cache slots
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            payload["ratios"] = {f"step_{variant}_{m}_vs_local_bn_eager_{model}": entry["ratio_vs_local_bn_eager"]
+                                 for model, r in results.items() for variant, modes in r["variants"].items()
+                                 for m, entry in modes.items() if (variant, m) != BASELINE}
+            write_atomically(args.json, payload)
+    payload["complete"] = True
+    payload["triton"] = _triton_state(device)
     for name, r in results.items():
         print(f"{name} {tuple(r['input'])}:")
         for variant, modes in r["variants"].items():
@@ -187,8 +238,10 @@ def main(argv=None) -> dict:
                 mem = f"{e['peak_memory_bytes'] / 2**30:.2f} GiB" if e["peak_memory_bytes"] is not None else "n/a"
                 print(f"  {variant:9s} {mode:8s} {e['median_step_ms']:10.2f} ms  x{e['ratio_vs_local_bn_eager']:.3f}  "
                       f"{e['images_per_s']:9.1f} img/s  peak {mem}")
-    print(f"ratios: {json.dumps(ratios)}")
-    write_json(args.json, payload)
+    print(f"ratios: {json.dumps(payload['ratios'])}")
+    write_atomically(args.json, payload)
+    if args.json:
+        print(f"wrote {args.json}")
     return payload
 
 

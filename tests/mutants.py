@@ -562,6 +562,73 @@ MUTANTS: list[Mutant] = [
         "    loader.set_epoch(epoch, skip_batches=0)\n",
         ("tests/test_train.py::test_kill_mid_epoch_and_resume_continues_exactly",),
     ),
+    # ------------------------------------------------------- make test-gpu on the bare image
+    Mutant(
+        "sybil-import-unguarded",
+        "make test-gpu collects its tests on the bare GPU image (no Sybil, DeepSpeed, WebDataset, Lightning)",
+        "conftest.py",
+        '    if err.name != "sybil":\n',
+        "    if True:\n",
+        ("tests/test_gpu_image.py::test_gpu_tests_are_collected_where_sybil_deepspeed_webdataset_lightning_are_absent",),
+    ),
+    Mutant(
+        "sybil-optional-everywhere",
+        "make test stops, naming Sybil, where it is missing (the docs' examples are never dropped silently)",
+        "conftest.py",
+        "    if Sybil is None and not GPU_TIER:\n",
+        "    if False:\n",
+        ("tests/test_gpu_image.py::test_without_sybil_make_test_stops_naming_it",),
+    ),
+    Mutant(
+        "gpu-report-runs-cpu-tests",
+        "make test-gpu runs the CUDA tests only",
+        "bench/gpu_report.py",
+        '    return [sys.executable, "-m", "pytest", "-q", "-rs", "-m", TEST_MARKER, *args.tests, *shlex.split(args.pytest_args),\n',
+        '    return [sys.executable, "-m", "pytest", "-q", "-rs", *args.tests, *shlex.split(args.pytest_args),\n',
+        ("tests/test_bench.py::test_gpu_report_without_cuda",),
+    ),
+    Mutant(
+        "gpu-report-part-grandchildren-survive",
+        "make test-gpu stops a part at its time limit with every process it started",
+        "bench/gpu_report.py",
+        "        os.killpg(proc.pid, signal.SIGKILL)\n",
+        "        proc.kill()\n",
+        ("tests/test_bench.py::test_gpu_report_stops_a_part_and_everything_it_started_at_its_limit",),
+    ),
+    Mutant(
+        "gpu-report-written-only-after-parts",
+        "make test-gpu: a run killed from outside keeps its report and shows where it stopped",
+        "bench/gpu_report.py",
+        '                                                            "still says so was stopped from outside"}\n'
+        "    write_report(report, out)\n",
+        '                                                            "still says so was stopped from outside"}\n'
+        "    pass\n",
+        ("tests/test_bench.py::test_gpu_report_stopped_from_outside_keeps_its_report",),
+    ),
+    Mutant(
+        "step-gpu-compiled-first",
+        "make test-gpu: eager before compiled (a run cut short keeps the cheap figures)",
+        "bench/step_gpu.py",
+        "    args.modes = [m for m in MODES if m in args.modes]  # eager first\n",
+        "    args.modes = list(dict.fromkeys(args.modes))\n",
+        ("tests/test_bench.py::test_bench_step_gpu_smoke",),
+    ),
+    Mutant(
+        "gpu-report-untimed-builds-dropped",
+        "make test-gpu: a step part stopped at its limit reports what it built but did not time",
+        "bench/gpu_report.py",
+        '    if untimed and not result.get("complete", True):\n',
+        "    if False:\n",
+        ("tests/test_bench.py::test_gpu_report_tables_and_failures",),
+    ),
+    Mutant(
+        "empty-rank-backward-sums-not-zero",
+        "a rank with an empty batch joins the collectives and contributes nothing: on one device, two ranks",
+        "distnorm/_functions.py",
+        "        t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()\n",
+        "        t_local, s1_local = torch.ones(2, channels, dtype=center.dtype, device=center.device).unbind()\n",
+        ("tests/test_cuda.py::test_empty_rank_on_one_device[cpu-splits0]",),
+    ),
 ]
 
 

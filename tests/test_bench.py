@@ -9,11 +9,14 @@ their figures live in bench/results/*.json and the docs, with their commands.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,35 +136,51 @@ def _bench_module(name: str, monkeypatch):
 
 @pytest.fixture(scope="module")
 def step_gpu_smoke(tmp_path_factory) -> dict:
-    """bench/step_gpu.py in its smoke sizes on the CPU (eager: compiling on 2 cores takes minutes;
+    """bench/step_gpu.py in its smoke sizes on the CPU, both modes, asked for compiled first;
+    compiled with dynamo's ``eager`` backend (tracing only: inductor on 2 cores takes minutes;
     tests/test_gpu_paths.py checks compiled layers against eager)."""
     out = tmp_path_factory.mktemp("step_gpu") / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # bf16 on a shared 2-core CPU: threads only contend
-    subprocess.run([sys.executable, str(REPO / "bench" / "step_gpu.py"), "--smoke", "--device", "cpu", "--modes", "eager",
-                    "--json", str(out)], check=True, cwd=REPO, timeout=300, env=env)
+    subprocess.run([sys.executable, str(REPO / "bench" / "step_gpu.py"), "--smoke", "--device", "cpu",
+                    "--modes", "compile", "eager", "--compile-backend", "eager", "--json", str(out)],
+                   check=True, cwd=REPO, timeout=300, env=env)
     return json.loads(out.read_text())
 
 
 @pytest.mark.timeout(300)
 def test_bench_step_gpu_smoke(step_gpu_smoke):
+    """Every eager build before any compiled one (a run cut short keeps the cheap figures);
+    each ratio against local BN eager timed in the same block. Bug caught: the blocks in the
+    order asked for (compiled first)."""
     result = step_gpu_smoke
     assert result["config"] | {"batch": 2, "size": 32} == result["config"] and result["config"]["amp"] == "bf16"
+    assert result["complete"] is True and result["config"]["modes"] == ["eager", "compile"]
     (name,) = result["models"]
+    variants = ["local_bn", "syncbn", "cbn", "popnorm", "bnp_gn"]
+    # the eager block, then the compiled block: local BN eager (its baseline), every variant compiled
+    assert [(b["model"], b["variant"], b["mode"]) for b in result["built"]] == (
+        [(name, v, "eager") for v in variants] + [(name, "local_bn", "eager")] + [(name, v, "compile") for v in variants])
     table = result["models"][name]["variants"]
-    assert list(table) == ["local_bn", "syncbn", "cbn", "popnorm", "bnp_gn"] and all(list(m) == ["eager"] for m in table.values())
+    baseline = result["models"][name]["baseline_ms"]
+    assert list(table) == variants and all(list(m) == ["eager", "compile"] for m in table.values())
     assert table["local_bn"]["eager"]["ratio_vs_local_bn_eager"] == 1.0
+    assert baseline["eager"] == table["local_bn"]["eager"]["median_step_ms"]
     for variant, modes in table.items():
-        e = modes["eager"]
-        assert e["images_per_s"] == pytest.approx(2 / (e["median_step_ms"] / 1e3), rel=1e-2)
-        assert e["ratio_vs_local_bn_eager"] == pytest.approx(e["median_step_ms"] / table["local_bn"]["eager"]["median_step_ms"], rel=1e-2)
-        assert e["peak_memory_bytes"] is None  # no allocator statistics on the CPU
-    assert set(result["ratios"]) == {f"step_{v}_eager_vs_local_bn_eager_{name}" for v in table if v != "local_bn"}
+        for mode, e in modes.items():
+            assert e["images_per_s"] == pytest.approx(2 / (e["median_step_ms"] / 1e3), rel=1e-2)
+            assert e["ratio_vs_local_bn_eager"] == pytest.approx(e["median_step_ms"] / baseline[mode], rel=1e-2)
+            assert e["peak_memory_bytes"] is None  # no allocator statistics on the CPU
+    assert set(result["ratios"]) == {f"step_{v}_{m}_vs_local_bn_eager_{name}" for v in variants for m in ("eager", "compile")
+                                     if (v, m) != ("local_bn", "eager")}
     _measured(result["ratios"])
+    _measured({f"baseline {mode}": value / 1e3 for mode, value in baseline.items()})
+    assert result["triton"] is None  # recorded on CUDA only
 
 
 @pytest.mark.timeout(120)
 def test_gpu_report_without_cuda(tmp_path, monkeypatch):
-    """The report is written when CUDA is absent: the tests' skip reasons, the benchmarks skipped."""
+    """The report is written when CUDA is absent: the CUDA tests only, with their skip reasons,
+    the benchmarks skipped, the environment's Triton facts, each part's log."""
     gpu_report = _bench_module("gpu_report", monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the pytest it starts, on a machine with GPUs too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -169,17 +188,25 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["cuda"]["device_count"] == 0 and report["cuda"]["reason"].startswith("no CUDA device")
     tests = report["parts"]["tests"]
+    # CUDA tests only: test_cuda.py's CPU twin is not selected, so nothing runs here
     assert tests["status"] == "ran" and tests["passed"] == tests["failed"] == tests["errors"] == 0 and tests["skipped"] > 0
     assert sum(tests["skip_reasons"].values()) == tests["skipped"]
     assert all("CUDA" in reason for reason in tests["skip_reasons"])
-    for part in ("layers", "step", "decode"):
+    assert "-m cuda" in tests["command"] and (tmp_path / "report.tests.xml").is_file()
+    assert (tmp_path / tests["log"]).read_text().startswith("$ ")
+    for part in ("step_eager", "layers", "decode", "step_compile"):
         assert report["parts"][part] == {"status": "skipped", "reason": report["cuda"]["reason"]}
+    triton = report["triton"]
+    assert set(triton) == {"imports", "version", "error", "cc", "DISTNORM_TRITON"} and set(triton["cc"]) == {"path", "source", "version"}
+    assert triton["imports"] == (importlib.util.find_spec("triton") is not None)
     md = (tmp_path / "report.md").read_text()
-    assert f"skipped: {report['cuda']['reason']}" in md and "| 0 | 0 | 0 | " in md
+    assert f"| step_eager | skipped: {report['cuda']['reason']} |" in md and "| 0 | 0 | 0 | " in md
+    assert "C compiler for its launchers" in md
 
 
 def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
-    """The report's summary of a JUnit file (a failure fails the part) and its step table."""
+    """The report's summary of a JUnit file (a failure fails the part), its step tables, and a
+    step part stopped at its limit: what it finished, and what it built but did not time."""
     gpu_report = _bench_module("gpu_report", monkeypatch)
     xml = tmp_path / "junit.xml"
     xml.write_text('<testsuites><testsuite><testcase classname="tests.test_cuda" name="a"/>'
@@ -190,15 +217,97 @@ def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
     assert summary == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1,
                        "skip_reasons": {"needs a CUDA device: none visible": 1},
                        "failures": [{"test": "tests.test_cuda::c", "kind": "failure", "message": "AssertionError: 1 != 2"}]}
+    cut = json.loads(json.dumps(step_gpu_smoke))  # as a run stopped after one more build
+    cut["complete"] = False
+    cut["built"].append({"model": "resnet50", "variant": "cbn", "mode": "compile", "first_step_s": 75.25})
     report = {"name": "t", "command": "python bench/gpu_report.py", "machine": step_gpu_smoke["machine"],
-              "cuda": gpu_report.cuda_info(), "packages": {"deepspeed": None},
+              "cuda": gpu_report.cuda_info(), "packages": {"deepspeed": None}, "budget_s": 450.0, "started": "now",
+              "triton": gpu_report.triton_info(),
               "parts": {"tests": {"status": "failed", "command": "pytest", "wall_s": 1.0, **summary},
+                        "step_eager": {"status": "ran", "command": "python bench/step_gpu.py", "result": step_gpu_smoke,
+                                       "triton_messages": []},
                         "layers": {"status": "skipped", "reason": "not asked for (--only)"},
-                        "step": {"status": "ran", "command": "python bench/step_gpu.py", "result": step_gpu_smoke},
-                        "decode": {"status": "skipped", "reason": "not asked for (--only)"}}}
+                        "decode": {"status": "skipped", "reason": "not asked for (--only)"},
+                        "step_compile": {"status": "timed out", "reason": "stopped after 300 s (its time limit)",
+                                         "command": "python bench/step_gpu.py --modes compile", "result": cut,
+                                         "triton_messages": ["RuntimeWarning: distnorm: the Triton kernel failed"]}}}
     md = gpu_report.markdown(report)
     assert "Not installed: deepspeed" in md and "* FAILED `tests.test_cuda::c`: AssertionError: 1 != 2" in md
-    assert "| resnet20 | local_bn | eager | " in md and "| resnet20 | bnp_gn | eager | " in md
+    assert "| resnet20 | local_bn | eager | " in md and "| resnet20 | bnp_gn | compile | " in md
+    assert "timed out: stopped after 300 s (its time limit); what it finished:" in md
+    assert "* built, not timed (the run stopped first): resnet50 cbn compile, first step 75.2 s" in md
+    assert "| step_compile | timed out: stopped after 300 s (its time limit) |" in md
+    assert "`RuntimeWarning: distnorm: the Triton kernel failed`" in md
+
+
+def test_gpu_report_stops_a_part_and_everything_it_started_at_its_limit(tmp_path, monkeypatch):
+    """A part that outlives its limit is stopped with the processes it started (pytest's
+    ranks, inductor's compile workers), and its output so far is in its log. Bug caught: only
+    the part's own process killed (a grandchild kept the GPU)."""
+    gpu_report = _bench_module("gpu_report", monkeypatch)
+    pid_file = tmp_path / "grandchild.pid"
+    code = ("import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+            "print('grandchild started', flush=True)\n"
+            "print('triton: UserWarning: a Triton warning', flush=True)\n"
+            "time.sleep(600)\n")
+    log = tmp_path / "part.log"
+    done = gpu_report.run_part([sys.executable, "-c", code], log, timeout_s=10)
+    assert done.rc is None and "grandchild started" in done.tail, done
+    assert done.triton_messages == ["triton: UserWarning: a Triton warning"]
+    text = log.read_text()
+    assert "grandchild started" in text and "stopped after 10 s" in text
+    grandchild = int(pid_file.read_text())
+    for _ in range(100):  # SIGKILL is delivered at once; reaping an orphan by init may lag
+        if not _alive(grandchild):
+            break
+        time.sleep(0.1)
+    assert not _alive(grandchild), "the part's grandchild survived its stop"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"  # a zombie is dead, waiting to be reaped
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_gpu_report_stopped_from_outside_keeps_its_report(tmp_path):
+    """The report is on disk before a part starts (``running``): a run killed from outside
+    (the lent machine's time ending) keeps what finished and shows where it stopped; SIGTERM
+    stops the running part and its processes and rewrites the report. Bugs caught: the report
+    written only at the end; the part left running after gpu_report ends."""
+    hang = tmp_path / "hang" / "test_hang.py"
+    hang.parent.mkdir()
+    hang.write_text("import os, time\nimport pytest\n\n\n@pytest.mark.cuda\ndef test_hang():\n"
+                    "    print('hang started', os.getpid(), flush=True)\n    time.sleep(600)\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "bench/gpu_report.py", "--only", "tests", "--tests", str(hang),
+                             "--pytest-args=-s", "--out", str(out), "--name", "r"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        log = out / "r.tests.log"
+        for _ in range(1200):  # up to 120 s for the script and pytest to start
+            if log.exists() and "hang started" in log.read_text():
+                break
+            assert proc.poll() is None, f"gpu_report ended early, exit {proc.returncode}"
+            time.sleep(0.1)
+        pytest_pid = int(log.read_text().split("hang started ")[1].split()[0])
+        running = json.loads((out / "r.json").read_text())["parts"]
+        assert running["tests"]["status"] == "running" and running["step_eager"]["status"] == "skipped", running
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    parts = json.loads((out / "r.json").read_text())["parts"]
+    assert parts["tests"] == {"status": "failed", "reason": "gpu_report was stopped (signal 15)"}, parts["tests"]
+    assert not _alive(pytest_pid), "the tests' pytest outlived gpu_report"
+    assert "failed: gpu_report was stopped (signal 15)" in (out / "r.md").read_text()
 
 
 @pytest.mark.timeout(300)
@@ -211,9 +320,11 @@ def test_bench_decode_quick(tmp_path, monkeypatch):
     assert 0 < result["mean_abs_diff_vs_pil"] < 0.05  # the same crops; another decoder path and resize
     gpu_report = _bench_module("gpu_report", monkeypatch)
     md = gpu_report.markdown({"name": "t", "command": "c", "machine": result["machine"], "cuda": gpu_report.cuda_info(),
-                              "packages": {}, "parts": {
+                              "packages": {}, "budget_s": 1.0, "started": "now", "triton": gpu_report.triton_info(),
+                              "parts": {
                                   "tests": {"status": "skipped", "reason": "-"},
+                                  "step_eager": {"status": "skipped", "reason": "-"},
                                   "layers": {"status": "skipped", "reason": "-"},
-                                  "step": {"status": "skipped", "reason": "-"},
-                                  "decode": {"status": "ran", "command": "python bench/decode_gpu.py", "result": result}}})
+                                  "decode": {"status": "ran", "command": "python bench/decode_gpu.py", "result": result},
+                                  "step_compile": {"status": "skipped", "reason": "-"}}})
     assert "| deferred | " in md and "| pil_1_core | " in md

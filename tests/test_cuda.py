@@ -1,20 +1,27 @@
 """The equivalence tests on CUDA: local paths with one GPU, NCCL synchronization with two or
-more. Skipped cleanly on machines without CUDA (as on CI); the same assertions as the CPU
-tests, with float32 tolerances where the GPU kernels accumulate differently."""
+more, and an empty rank on one GPU (two gloo ranks sharing it). Skipped cleanly on machines
+without CUDA (as on CI); the same assertions as the CPU tests, with float32 tolerances where
+the GPU kernels accumulate differently. Every CUDA test is marked ``cuda`` (what ``make
+test-gpu`` selects); the one test here without it is the CPU twin of the empty-rank test,
+which runs in ``make test`` and checks the same comparison on the CPU."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import distnorm
+from distnorm import functional as F
 from tests import reference as ref
 from tests.distributed import run_distributed
-from tests.test_layers_distributed import LRS, _assert_bit_identical, _equivalence_worker
+from tests.test_layers_distributed import (ATOL, LRS, _assert_bit_identical, _batch, _buffers, _equivalence_worker,
+                                           _make)
 
 # Each skip names what the machine lacks (``make test-gpu`` reports the reasons with their counts).
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -27,9 +34,8 @@ needs_two_gpus = pytest.mark.skipif(GPUS < 2 or not dist.is_nccl_available(),
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="needs triton (torch.compile's inductor on CUDA): not installed")
 
-pytestmark = pytest.mark.cuda
 
-
+@pytest.mark.cuda
 @needs_gpu
 @pytest.mark.parametrize("make", [lambda: distnorm.CBN(8), lambda: distnorm.POPNorm(8), lambda: distnorm.SyncBatchNorm(8)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -62,6 +68,7 @@ def test_cuda_local_matches_cpu_float64(make, dtype, channels_last):
                 torch.testing.assert_close(other.double().cpu(), buf, atol=tol, rtol=tol)
 
 
+@pytest.mark.cuda
 @needs_gpu
 def test_cuda_cbn_matches_reference_over_steps():
     m = distnorm.CBN(3, rho=1.5).double().cuda()
@@ -84,6 +91,7 @@ def test_cuda_cbn_matches_reference_over_steps():
         torch.testing.assert_close(m.amat_var.cpu(), state.amat_var, atol=1e-10, rtol=0)
 
 
+@pytest.mark.cuda
 @needs_two_gpus
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("kind", ["cbn", "popnorm", "syncbn"])
@@ -94,6 +102,85 @@ def test_nccl_two_ranks_equal_one_process(tmp_path, kind, splits):
     _assert_bit_identical(out)
 
 
+#: Tolerances against the float64 reference: (outputs and buffers, gradients).
+SPLIT_TOLERANCES = {torch.float64: (ATOL, ATOL), torch.float32: (1e-4, 1e-3)}
+
+
+def _split_batch_worker(rank: int, world: int, splits: list[int], device: str) -> dict[str, torch.Tensor]:
+    """Every layer kind, in float64 and float32, on this rank's part of a batch split
+    ``splits`` across the ranks, every rank on ``device`` (``cuda``: all on GPU 0, gloo
+    carrying the layers' collectives), against the float64 reference on the whole batch (as
+    ``test_layers_distributed._equivalence_worker``, whose ranks each need a device of their
+    own): the rank's slice of the output and input gradient, the sum over ranks of the
+    parameter gradients (what the data-parallel engine reduces), the buffers. Returns the last
+    buffers of every kind and dtype, to compare across ranks."""
+    dev = torch.device(device)
+    lo, hi, total = sum(splits[:rank]), sum(splits[:rank + 1]), sum(splits)
+    gamma = torch.tensor([0.7, 1.3, 1.0], dtype=torch.float64)
+    beta = torch.tensor([0.2, -0.4, 0.1], dtype=torch.float64)
+    out = {}
+    for dtype, kind in itertools.product(SPLIT_TOLERANCES, ("cbn", "popnorm", "syncbn")):
+        tol, grad_tol = SPLIT_TOLERANCES[dtype]
+        module = _make(kind).to(dev, dtype)
+        reference_bn, state = nn.BatchNorm2d(3).double(), ref.CBNState(3)
+        with torch.no_grad():
+            for m in (module, reference_bn):
+                m.weight.copy_(gamma)
+                m.bias.copy_(beta)
+        for step, lr in enumerate(LRS):
+            where = f"{kind}, {dtype}, step {step}, rank {rank} of splits {splits} on {device}"
+            x_all, gy_all = _batch(step, total, (2, 2))
+            xr, gr, br = x_all.clone().requires_grad_(), gamma.clone().requires_grad_(), beta.clone().requires_grad_()
+            if kind == "syncbn":
+                reference_bn.zero_grad()
+                y_ref = reference_bn(xr)
+                y_ref.backward(gy_all)
+                ref_grads = torch.stack([reference_bn.weight.grad, reference_bn.bias.grad])
+                expected = {"running_mean": reference_bn.running_mean, "running_var": reference_bn.running_var}
+            else:
+                amat = kind == "cbn"
+                y_ref = ref.cbn_train(xr, gr, br, state, eta=F.amat_eta(lr, 10.0) if amat else 0.0,
+                                      rho=1.5 if amat else 4.0, amat=amat)
+                y_ref.backward(gy_all)
+                ref_grads = torch.stack([gr.grad, br.grad])
+                expected = {"amat_mean": state.amat_mean, "amat_var": state.amat_var,
+                            "running_mean": state.running_mean, "running_var": state.running_var}
+            module.zero_grad()
+            distnorm.set_lr(module, lr)
+            x = x_all[lo:hi].to(dev, dtype).requires_grad_()
+            y = module(x)
+            y.backward(gy_all[lo:hi].to(dev, dtype))
+            assert y.shape == x.shape and y.device == x.device and y.dtype == dtype, where
+            close = dict(msg=lambda m: f"{where}: {m}", atol=tol, rtol=tol)
+            torch.testing.assert_close(y.double().cpu(), y_ref[lo:hi].detach(), **close)
+            close_grad = dict(msg=lambda m: f"{where}: {m}", atol=grad_tol, rtol=grad_tol)
+            torch.testing.assert_close(x.grad.double().cpu(), xr.grad[lo:hi], **close_grad)
+            grads = torch.stack([module.weight.grad, module.bias.grad]).double().cpu()
+            dist.all_reduce(grads)
+            torch.testing.assert_close(grads, ref_grads, **close_grad)
+            buffers = _buffers(module)
+            for name, value in expected.items():
+                torch.testing.assert_close(buffers[name].double(), value, **close)
+        out.update({f"{kind}/{dtype}/{name}": value for name, value in buffers.items()})
+    return out
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("splits", [[8, 0], [0, 8]])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_gpu])])
+def test_empty_rank_on_one_device(tmp_path, device, splits):
+    """One GPU never runs the NCCL tests, so their empty rank (N = 0) never meets the CUDA
+    kernels there; two gloo ranks sharing the GPU do. Per split, every layer kind, forward and
+    backward, float64 and float32 (where the fused operators take their Triton kernels):
+    equal to one process on the whole batch, buffers bit-identical across the ranks. The CPU
+    case is the same comparison in ``make test``. Bugs caught: an empty rank handed to a CUDA
+    kernel that rejects N = 0; an empty rank that skips a collective (the other rank waits
+    until the deadline) or adds to the statistics."""
+    out = run_distributed(_split_batch_worker, 2, tmp_path, splits, device, timeout=300)
+    _assert_bit_identical(out)
+
+
+@pytest.mark.cuda
 @needs_gpu
 @needs_triton
 def test_cuda_compile_equals_eager():
@@ -103,6 +190,7 @@ def test_cuda_compile_equals_eager():
     _check_compile(_compile_run(device="cuda"))
 
 
+@pytest.mark.cuda
 @needs_gpu
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_cuda_checkpointing_updates_buffers_once(use_reentrant):
@@ -125,6 +213,7 @@ class _PooledBatches(torch.utils.data.IterableDataset):
             yield out.fill_(i), i, lease
 
 
+@pytest.mark.cuda
 @needs_gpu
 def test_pinned_batches_give_their_shared_buffers_back_at_once():
     """With ``pin_memory`` the DataLoader copies each batch into pinned memory, so the
