@@ -26,7 +26,9 @@ if ! command -v slurmctld >/dev/null; then
 fi
 stop
 
-CPUS=$(nproc)
+# Not `nproc`: it answers OMP_NUM_THREADS when that is set (1 under the test suite), and a
+# node advertising 1 CPU never starts a job asking --cpus-per-task=2.
+CPUS=$(getconf _NPROCESSORS_ONLN)
 MEM_MB=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
 mkdir -p /etc/slurm "$STATE"/{ctld,d} /var/log/slurm /run/munge
 chown slurm: "$STATE"/ctld /var/log/slurm
