@@ -159,6 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.budget_s = plan.budget_s if args.budget_s is None else args.budget_s
     if args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {args.budget_s}")
+    args.plan_parts = [part for part in PARTS if part in plan.limits_s]
     args.limits_s = {**plan.limits_s, **dict(args.part_timeout)}
     args.plan_args = plan.args
     args.out = args.out or default_out()
@@ -481,7 +482,7 @@ def main(argv=None) -> int:
               "limits_s": args.limits_s, "machine": machine(), "cuda": cuda, "packages": packages(),
               "triton": triton_info(), "parts": {}}
     parts = report["parts"]
-    wanted = [p for p in PARTS if (args.only is None and p in args.limits_s) or (args.only and p in args.only)]
+    wanted = [p for p in PARTS if p in (args.only or args.plan_parts)]
     for part in PARTS:
         parts[part] = {"status": "pending"} if part in wanted else \
             {"status": "skipped", "reason": "not asked for (--only)" if args.only else "not in this plan (--quick)"}

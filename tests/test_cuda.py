@@ -176,7 +176,7 @@ def test_empty_rank_on_one_device(tmp_path, device, splits):
     case is the same comparison in ``make test``. Bugs caught: an empty rank handed to a CUDA
     kernel that rejects N = 0; an empty rank that skips a collective (the other rank waits
     until the deadline) or adds to the statistics."""
-    out = run_distributed(_split_batch_worker, 2, tmp_path, splits, device, timeout=300)
+    out = run_distributed(_split_batch_worker, 2, tmp_path, splits, device)
     _assert_bit_identical(out)
 
 
