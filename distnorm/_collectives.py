@@ -469,7 +469,9 @@ def assert_same_across_ranks(
     """Raise ``error`` on every rank unless every rank passes the same ``text``.
 
     One fixed-size all-reduce of a hash (so differing inputs cannot become differently
-    sized collectives); only on a mismatch are the texts gathered to say who differs.
+    sized collectives); only on a mismatch are the texts gathered to say who differs. Texts
+    made of ``key = value`` lines (a flattened configuration) are reported as the keys that
+    differ, each with every rank's value; other texts as each group of ranks' text.
     """
     group = sync_group(process_group)
     if group is None:
@@ -481,7 +483,47 @@ def assert_same_across_ranks(
     groups: dict[str, list[int]] = {}
     for rank, t in zip(group_ranks(group), gather_texts(text, group, limit=1 << 20)):
         groups.setdefault(t, []).append(rank)
+    keyed = _describe_keys(groups)
+    if keyed is not None:
+        raise error(f"{what} differs across ranks in {keyed}")
     raise error(f"{what} differs across ranks:\n{_describe_groups(groups)}")
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """``rank 3`` / ``ranks 0-6, 9``."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _describe_keys(groups: dict[str, list[int]], shown: int = 20) -> str | None:
+    """Texts made of ``key = value`` lines (a flattened configuration) as the keys that differ,
+    each with its value per group of ranks; ``None`` for any other text."""
+    import re
+
+    parsed = []
+    for text, members in groups.items():
+        pairs = [re.match(r"^(\S+) = (.*)$", line) for line in text.splitlines()]
+        if not pairs or None in pairs:
+            return None
+        parsed.append(({m[1]: m[2] for m in pairs}, members))
+    keys = list(dict.fromkeys(k for values, _ in parsed for k in values))
+    differing = [k for k in keys if len({values.get(k) for values, _ in parsed}) > 1]
+    if not differing:
+        return None
+    lines = []
+    for key in differing[:shown]:
+        by_value: dict[str, list[int]] = {}
+        for values, members in parsed:
+            by_value.setdefault(values.get(key, "(not set)"), []).extend(members)
+        lines.append(f"  {key}: " + "; ".join(f"{_rank_list(m)}: {v}" for v, m in by_value.items()))
+    more = f"\n  ... {len(differing) - shown} more" if len(differing) > shown else ""
+    return f"{len(differing)} key{'s' if len(differing) > 1 else ''}:\n" + "\n".join(lines) + more
 
 
 def _describe_groups(groups: dict[str, list[int]]) -> str:

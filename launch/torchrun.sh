@@ -19,14 +19,27 @@
 # free port, a fresh id); several nodes default the port to 20000 + SLURM_JOB_ID % 20000
 # under Slurm (29500 elsewhere: set MASTER_PORT when two multi-node jobs share a head node).
 #
-# Before starting any worker it checks the config, the engine, the data paths and that
-# NPROC x NNODES divides the global batch (distnorm-train --check), so a bad config fails
-# here, not after the queue wait.
+# Before starting any worker it checks the config, the engine, the data paths, the shard
+# sizes against their index and that NPROC x NNODES divides the global batch
+# (distnorm-train --check), so a bad config fails here, not after the queue wait.
+#
+# Ctrl-C: torchrun forwards SIGINT to every process; rank 0 prints one line (the last
+# checkpoint, and this command to resume from it) and the launcher exits with 130, without
+# tracebacks. A failed worker: torchrun's failure summary (which rank, exit code, and the
+# root cause distnorm-train recorded), without the launcher's own traceback.
 set -euo pipefail
 if [[ $# -lt 1 ]]; then
   sed -n '2,20p' "$0" >&2
   exit 2
 fi
+# This command as typed, with the variables above that were set: what the Ctrl-C line gives
+# as the command that resumes the run.
+LAUNCH_COMMAND=""
+for var in NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT RDZV RDZV_ID; do
+  if [[ -n "${!var:-}" ]]; then LAUNCH_COMMAND+="$var=$(printf '%q' "${!var}") "; fi
+done
+LAUNCH_COMMAND+=$(printf '%q ' "$0" "$@")
+export DISTNORM_LAUNCH_COMMAND="${LAUNCH_COMMAND% }"
 CONFIG=$1
 shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -64,5 +77,7 @@ else
   RENDEZVOUS=(--rdzv_backend=c10d --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv_id="$RDZV_ID")
 fi
 # OMP_NUM_THREADS: torchrun would set 1 per process; keep it if the caller chose one.
-exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" "${RENDEZVOUS[@]}" \
+# torchrun (torch.distributed.run's main, these arguments), ending without the Python
+# traceback of its own that follows a failed worker or a signal (distnorm/train/torchrun.py).
+exec "$PYTHON" -c 'from distnorm.train.torchrun import main; main()' -m torch.distributed.run --nnodes="$NNODES" --nproc_per_node="$NPROC" "${RENDEZVOUS[@]}" \
   -m distnorm.train --config "$CONFIG" "$@"

@@ -110,6 +110,76 @@ def test_cli(tmp_path):
     assert bad.returncode == 2 and "is not a directory" in bad.stderr
 
 
+def test_index_gets_the_mode_of_the_shards(tmp_path):
+    """The index is created like the shards, ``0666`` less the umask, so whoever can read a
+    shared shard set can read its index. Bug caught: ``tempfile`` creating it ``0600`` (other
+    users of a shared dataset got "Permission denied" on the index alone)."""
+    source = D.SyntheticSource(num_samples=6, num_classes=2, image_size=16)
+    previous = os.umask(0o022)
+    try:
+        for umask, mode in ((0o022, 0o644), (0o027, 0o640)):
+            os.umask(umask)
+            D.write_shards(source, str(tmp_path / f"u{umask:o}" / "s"), maxcount=4, progress=False)
+            modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / f"u{umask:o}").iterdir()}
+            assert modes == {"s-000000.tar": mode, "s-000001.tar": mode, "s-index.json": mode}, (oct(umask), modes)
+    finally:
+        os.umask(previous)
+
+
+def test_empty_class_folders_are_refused_naming_them(tmp_path):
+    """Bug caught: an empty class folder accepted silently (a class index with no sample, a
+    model asked to predict a class it never sees)."""
+    _image_tree(tmp_path / "train")
+    for name in ("n000_empty", "n004_empty"):
+        (tmp_path / "train" / name).mkdir()
+    (tmp_path / "train" / "n004_empty" / "notes.txt").write_text("not an image")
+    with pytest.raises(ValueError, match=r"2 of 5 class folder\(s\) hold no images .*: n000_empty, n004_empty\. "
+                                         r"Every folder is a class"):
+        D.write_shards(D.ImageFolderSource(str(tmp_path / "train")), str(tmp_path / "out" / "train"), progress=False)
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_index_records_each_shards_size_and_sha256(tmp_path):
+    """The index records what was written (size, SHA-256) and ``verify_files`` finds a shard
+    that differs: by size always, by content only when asked. Bug caught: checksums recorded
+    but never compared (a same-size damaged shard passing a checksum verification). A rerun of
+    the writer over an index without them (an older distnorm-shards) adds them, rewriting no
+    shard — what ``--check --verify-checksums`` tells such an index's user to do."""
+    import hashlib
+    import json
+
+    source = D.SyntheticSource(num_samples=20, num_classes=3, image_size=16)
+    index = D.write_shards(source, str(tmp_path / "s"), maxcount=6, progress=False)
+    shards = sorted(tmp_path.glob("s-*.tar"))
+    assert [(s.size, s.sha256) for s in index.shards] == \
+        [(p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()) for p in shards]
+    assert D.ShardIndex.load(tmp_path / "s-index.json") == index
+    assert index.verify_files(shards, checksum=True) == []
+    whole = shards[1].read_bytes()
+    damaged = bytearray(whole)
+    damaged[len(damaged) // 2] ^= 0x01
+    shards[1].write_bytes(bytes(damaged))  # same size
+    assert index.verify_files(shards) == []  # sizes only: not seen
+    (problem,) = index.verify_files(shards, checksum=True, workers=2)
+    assert problem.startswith(f"{shards[1]}: SHA-256 ") and "differs from the index's" in problem
+    shards[1].write_bytes(whole[:1000])
+    assert index.verify_files(shards) == [f"{shards[1]}: 1000 bytes, the index records {len(whole)}"]
+    (tmp_path / "s-000009.tar").write_bytes(b"")
+    assert index.verify_files([tmp_path / "s-000009.tar"]) == [f"{tmp_path / 's-000009.tar'}: not listed in the index"]
+    (tmp_path / "s-000009.tar").unlink()
+    shards[1].write_bytes(whole)
+    # an index from before the checksums: nothing to compare, said so; the writer adds them
+    old = json.loads((tmp_path / "s-index.json").read_text())
+    for shard in old["shards"]:
+        del shard["size"], shard["sha256"]
+    (tmp_path / "s-index.json").write_text(json.dumps(old))
+    assert D.ShardIndex.load(tmp_path / "s-index.json").unchecked(checksum=True) == [p.name for p in shards]
+    mtimes = [p.stat().st_mtime_ns for p in shards]
+    assert D.write_shards(source, str(tmp_path / "s"), maxcount=6, progress=False) == index
+    assert [p.stat().st_mtime_ns for p in shards] == mtimes
+    assert D.ShardIndex.load(tmp_path / "s-index.json") == index
+
+
 # ------------------------------------------------------------------------ loaders
 @pytest.fixture(scope="module")
 def synth_shards(tmp_path_factory):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -142,9 +143,17 @@ def test_mismatch_is_detected_before_the_first_training_collective(tmp_path, dig
     codes = _finish(_start(2, args, tmp_path), timeout=120)
     print(f"FIGURE mismatch-{what}: both ranks exited with {codes} after {time.time() - started:.1f} s")
     assert codes == [2, 2]
-    expected = "the training configuration differs" if what == "config" else "the dataset index files differs"
+    # Said once, by rank 0 (every rank raised it alike), as the key that differs and each
+    # rank's value, not as two dumps of the whole configuration.
+    said = [(tmp_path / f"err{rank}.txt").read_text() for rank in range(2)]
+    if what == "config":
+        assert "the training configuration differs across ranks in 1 key:\n  distnorm.cbn.rho: rank 0: 1.0; rank 1: 2.0\n" \
+            in said[0], said[0]
+    else:
+        assert "the dataset index files differs across ranks in 1 key:\n  data.train_index.sha256: rank 0: " in said[0], said[0]
+        assert "data.val_index" not in said[0], said[0]
+    assert "differs across ranks" not in said[1], said[1]
     for rank in range(2):
-        assert expected in (tmp_path / f"err{rank}.txt").read_text()
         assert _trace(tmp_path, rank) == {"backward": 0, "optimizer_step": 0}  # observed, every rank
     assert not (run / "metrics.jsonl").exists()
 
@@ -192,18 +201,28 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, digits, 
 
 @pytest.mark.timeout(600)
 def test_corrupt_shard_fails_all_ranks_or_is_skipped(tmp_path, digits):
+    """A shard damaged after the start-up checks (same size: the size check passes it) fails
+    every rank, the reading rank saying so in one line that names the shard and the override
+    to type (data.on_error=skip, not the loader's keyword); with that override it is skipped.
+    Bug caught: the hint named the loader's keyword (on_error='skip'), which a recipe user
+    cannot pass."""
     bad = tmp_path / "bad"
     bad.mkdir()
     for f in digits.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
     shard = bad / "digits-train-000002.tar"
-    shard.write_bytes(shard.read_bytes()[:20000])  # truncated mid-sample
+    data = bytearray(shard.read_bytes())
+    data[20000:] = random.Random(0).randbytes(len(data) - 20000)  # bit rot from mid-sample on, same size
+    shard.write_bytes(bytes(data))
     run = tmp_path / "run"
     started = time.time()
     codes = _finish(_start(2, lambda r: _overrides(bad, run, "train.max_steps=30"), tmp_path), timeout=180)
     print(f"FIGURE corrupt-shard raise: exit codes {codes} after {time.time() - started:.1f} s")
     assert None not in codes and all(c != 0 for c in codes)
-    assert any("digits-train-000002.tar" in (tmp_path / f"err{r}.txt").read_text() for r in range(2))
+    said = [(tmp_path / f"err{r}.txt").read_text() for r in range(2)]
+    lines = [line for text in said for line in text.splitlines() if line.startswith("distnorm-train: data error on rank")]
+    assert lines and all("digits-train-000002.tar" in line and "set data.on_error=skip" in line for line in lines), said
+    assert not any("on_error='skip'" in text for text in said), said
     run2 = tmp_path / "run2"
     codes = _finish(_start(2, lambda r: _overrides(bad, run2, "train.max_steps=30", "data.on_error=skip"), tmp_path),
                     timeout=300)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -65,7 +67,7 @@ def demo_run(digits, tmp_path_factory) -> tuple[Path, subprocess.CompletedProces
 @pytest.mark.timeout(900)
 def test_demo_path_end_to_end(demo_run):
     run, proc = demo_run
-    assert "final top-1" in proc.stdout and "checkpoints/latest" in proc.stdout
+    assert "final top-1" in proc.stdout and f"checkpoint: {run}/checkpoints/step_000000046\n" in proc.stdout
     # A quiet console (output.log_level=warning): one summary line per epoch, no library INFO
     # lines (Accelerate's checkpointing printed 76 of them around the progress bar).
     assert [line[:9] for line in proc.stdout.splitlines() if line.startswith("epoch ")] == ["epoch 1/2", "epoch 2/2"]
@@ -280,3 +282,157 @@ def test_launcher_refuses_bad_split_before_starting_workers(tmp_path, digits):
     assert proc.returncode == 2
     assert "does not split over 3 processes" in proc.stderr
     assert "torch.distributed" not in proc.stderr and not (tmp_path / "x").exists()  # no worker started
+
+
+# ------------------------------------------------------------------ shards against their index
+def _copy_shards(digits: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in digits.iterdir():
+        shutil.copy(f, to / f.name)
+    return to
+
+
+def test_check_compares_shard_sizes_and_on_request_checksums(tmp_path, digits, capsys):
+    """``distnorm-train --check`` (what the launchers run before any worker) compares every
+    local shard with its index: its size always, its SHA-256 with ``--verify-checksums``. Bugs
+    caught: a truncated shard passing the check (the run then failed mid-epoch, issue 38);
+    a damaged shard of the right size passing ``--verify-checksums``."""
+    from distnorm.train import cli
+
+    data = _copy_shards(digits, tmp_path / "data")
+
+    def check(*extra: str) -> int:  # overrides, then flags
+        overrides = [e for e in extra if "=" in e]
+        flags = [e for e in extra if "=" not in e]
+        return cli.main(["--config", str(DEMO), *_data_overrides(data), *overrides, "--check", "--world-size", "2", *flags])
+
+    assert check() == 0 and check("--verify-checksums") == 0
+    assert "OK for 2 process(es), 32 samples each per step (shards, sizes and checksums checked)" in capsys.readouterr().out
+    shard = data / "digits-train-000002.tar"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:20000])  # an interrupted copy
+    assert check() == 2
+    err = capsys.readouterr().err
+    assert f"data.train_shards: 1 of 6 shard(s) differ from data.train_index {data}/digits-train-index.json: " \
+           f"{shard}: 20000 bytes, the index records {len(whole)}." in err and "set data.on_error=skip" in err, err
+    with pytest.warns(UserWarning, match=r"digits-train-000002.tar: 20000 bytes.*\(data.on_error=skip\)"):
+        assert check("data.on_error=skip") == 0  # let through: the loaders skip what they cannot read
+    damaged = bytearray(whole)
+    damaged[len(whole) // 2] ^= 0x01
+    shard.write_bytes(bytes(damaged))  # bit rot: the size is right
+    assert check() == 0  # sizes only, a stat per shard (the launchers' check: fast on ImageNet)
+    capsys.readouterr()
+    assert check("--verify-checksums") == 2
+    assert f"{shard}: SHA-256 " in capsys.readouterr().err
+    # an index without checksums (an older distnorm-shards): said, with what to run
+    index = json.loads((data / "digits-train-index.json").read_text())
+    for info in index["shards"]:
+        info.pop("sha256")
+    (data / "digits-train-index.json").write_text(json.dumps(index))
+    assert check("--verify-checksums") == 2
+    assert "records no checksum for 6 shard(s)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--config", str(DEMO), "--verify-checksums"])
+    assert "--verify-checksums goes with --check" in capsys.readouterr().err
+
+
+@pytest.mark.processes
+def test_launcher_refuses_a_truncated_shard_before_starting_workers(tmp_path, digits):
+    data = _copy_shards(digits, tmp_path / "data")
+    shard = data / "digits-val-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:5000])
+    proc = _torchrun_sh(str(DEMO), *_data_overrides(data), f"output.dir={tmp_path / 'x'}",
+                        env=_env(NPROC="2"), check=False, timeout=120)
+    assert proc.returncode == 2 and f"data.val_shards: 1 of 3 shard(s) differ" in proc.stderr, proc.stderr
+    assert f"{shard}: 5000 bytes" in proc.stderr
+    assert "torch.distributed" not in proc.stderr and not (tmp_path / "x").exists()  # no worker started
+
+
+# ------------------------------------------------------------------ how a run ends
+@pytest.mark.processes
+@pytest.mark.timeout(600)
+def test_a_max_steps_stop_writes_a_checkpoint_there(tmp_path, digits):
+    """As Lightning does, a run stopped by ``train.max_steps`` mid-epoch saves its state there
+    and names that checkpoint; the same command with a larger ``max_steps`` continues from it.
+    Bug caught: the last line naming ``checkpoints/latest`` when no checkpoint existed (issue 38)."""
+    run = tmp_path / "run"
+
+    def train(steps: int) -> str:
+        proc = subprocess.run([sys.executable, "-m", "distnorm.train", "--config", str(DEMO), *_data_overrides(digits),
+                               f"output.dir={run}", f"train.max_steps={steps}", "output.progress=false",
+                               "output.log_every=1", "data.num_workers=0"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    assert f"checkpoint: {run / 'checkpoints' / 'step_000000003'}" in train(3)  # no other checkpoint before 50
+    assert (run / "checkpoints" / "latest").read_text() == "step_000000003"
+    assert verify_checkpoint(run / "checkpoints" / "step_000000003") is None
+    assert f"checkpoint: {run / 'checkpoints' / 'step_000000005'}" in train(5)
+    assert _records(run, "resume")[-1]["global_step"] == 3
+    assert [r["step"] for r in _records(run, "train")] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(900)
+def test_ctrl_c_under_torchrun_says_where_to_resume_in_one_line(tmp_path, digits):
+    """SIGINT to ``launch/torchrun.sh`` (what Ctrl-C sends it; torchrun forwards it to its
+    workers, which run in sessions of their own): exit status 130, no traceback from any
+    process, one line naming the last checkpoint and the command to resume; that command, run
+    as printed, resumes there. Bugs caught: a traceback on every rank and one from torchrun
+    (issue 38); a resume command without the NPROC it was launched with (it then starts one
+    process, and refuses the checkpoint of two)."""
+    run = tmp_path / "run"
+    args = [str(DEMO), *_data_overrides(digits), f"output.dir={run}", "train.epochs=2", "train.max_steps=40",
+            "output.checkpoint_every_steps=4", "output.progress=false", "output.log_every=1"]
+    env = _env(NPROC="2")
+    proc = subprocess.Popen([str(REPO / "launch" / "torchrun.sh"), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while not (run / "checkpoints" / "step_000000004").is_dir():
+            assert time.time() < deadline and proc.poll() is None, "no checkpoint appeared"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = out + err
+    assert proc.returncode == 130, said[-3000:]
+    assert "Traceback" not in said, said[-5000:]
+    lines = [line for line in said.splitlines() if "interrupted" in line]
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    assert len(lines) == 1 and lines[0].startswith(f"distnorm-train: interrupted; the last checkpoint is {latest} (step "), lines
+    assert verify_checkpoint(latest) is None
+    command = lines[0].split("to resume from it, run the same command again: ", 1)[1]
+    assert command.startswith("NPROC=2 ")
+    resumed = subprocess.run(["bash", "-c", command], cwd=REPO, env={k: v for k, v in env.items() if k != "NPROC"},
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _records(run, "resume")[-1]["checkpoint"] == str(latest)
+    assert _records(run, "train")[-1]["step"] == 40
+    print(f"FIGURE ctrl-c: {len(said.splitlines())} lines of output after the SIGINT's launch, exit 130; {lines[0][:80]}...")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(300)
+def test_a_bad_command_under_torchrun_is_said_once_and_named_as_the_root_cause():
+    """The recipe's ``--distnorm cbm`` (issue 38: the argparse message buried in 108 lines of
+    launcher output): under torchrun as ``launch/torchrun.sh`` runs it
+    (``distnorm/train/torchrun.py``), a bad value and an unknown flag are printed once (the first
+    process of the node; every process has the same command line), torchrun's summary names
+    them as the root cause (the error file), and no process prints a traceback. Bug caught:
+    every process printing the error."""
+    torchrun = [sys.executable, "-c", "from distnorm.train.torchrun import main; main()", "-m", "torch.distributed.run",
+                "--standalone", "--nproc_per_node=2", "-m", "distnorm.train", "--config", str(DEMO)]
+    for extra, message in ((["distnorm.norm=cbm"], "distnorm-train: configuration error: distnorm config: norm must be "
+                                                   "one of ('cbn', 'popnorm', 'bn', 'gn', 'none', 'off'), got 'cbm'"),
+                           (["--dryrun"], "distnorm-train: error: unrecognized arguments: --dryrun")):
+        proc = subprocess.run([*torchrun, *extra], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == 1, said[-3000:]
+        printed, _, summary = said.partition("distnorm.train FAILED")  # what the processes printed; the summary
+        assert printed.count(message) == 1, said  # the failures listed in the summary aside
+        assert f"traceback : {message}" in summary.split("Root Cause (first observed failure):")[1], said
+        assert "Traceback" not in said and "To enable traceback" not in said, said
+        print(f"FIGURE bad command under torchrun ({extra[0]}): {len(said.splitlines())} lines of output")

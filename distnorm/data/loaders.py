@@ -68,6 +68,11 @@ class DataError(RuntimeError):
     """A shard or sample could not be read; the message names the shard and key."""
 
 
+#: How an unreadable shard's or sample's error says to go on. ``distnorm-train`` puts its own
+#: setting in its place (``data.on_error=skip``): its users never call the loader.
+SKIP_HINT = "pass on_error='skip' to skip bad data"
+
+
 def _wds():
     try:
         import webdataset
@@ -105,16 +110,18 @@ class _ErrorLog:
     messages: list[str] = field(default_factory=list)
     failed_shards: set[str] = field(default_factory=set)
 
-    def failure(self, message: str, err: BaseException) -> None:
+    def failure(self, message: str, err: BaseException, reason: str | None = None) -> None:
+        """Raise, or count and log, ``message`` failing with ``err`` (described as ``reason``)."""
+        reason = str(err) if reason is None else reason
         if self.on_error == "raise":
-            raise DataError(f"{message}: {err}; pass on_error='skip' to skip bad data") from err
+            raise DataError(f"{message}: {reason}; {SKIP_HINT}") from err
         self.pending += 1
         self.consecutive += 1
         if len(self.messages) < 20:
-            self.messages.append(f"{message}: {err}")
-        logger.warning("skipping %s: %s", message, err)
+            self.messages.append(f"{message}: {reason}")
+        logger.warning("skipping %s: %s", message, reason)
         if self.consecutive > MAX_CONSECUTIVE_ERRORS:
-            raise DataError(f"more than {MAX_CONSECUTIVE_ERRORS} consecutive unreadable samples; last: {message}: {err}") from err
+            raise DataError(f"more than {MAX_CONSECUTIVE_ERRORS} consecutive unreadable samples; last: {message}: {reason}") from err
 
     def success(self) -> None:
         self.consecutive = 0
@@ -126,9 +133,13 @@ class _ErrorLog:
 
     def tar_handler(self, err: BaseException) -> bool:
         """WebDataset exception handler for shard-level failures (the URL is in err.args)."""
-        urls = [a for a in getattr(err, "args", ()) if isinstance(a, str) and (".tar" in a or a.startswith("pipe:"))]
+        args = getattr(err, "args", ())
+        urls = [a for a in args if isinstance(a, str) and (".tar" in a or a.startswith("pipe:"))]
         self.failed_shards.add(urls[-1] if urls else "?")
-        self.failure(f"shard {urls[-1] if urls else '?'}", err)
+        # The tar reader appends the stream and the URL to the error's args; the message names
+        # the shard already, so the reason is the first argument alone (not the tuple).
+        reason = args[0] if urls and len(args) > 1 and isinstance(args[0], str) else None
+        self.failure(f"shard {urls[-1] if urls else '?'}", err, reason)
         return True
 
 

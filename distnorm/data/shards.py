@@ -22,7 +22,13 @@ The assignment of samples to shards is planned up front (``--maxcount`` samples 
 so parallel workers and resumed runs produce the same shards. Every shard is written under
 a temporary name, read back with WebDataset and compared with the plan (keys, labels and
 payload bytes), fsynced, and only then renamed into place; a rerun skips shards that are
-complete and verify.
+complete and verify. The index records each shard's size and SHA-256, which
+``distnorm-train --check`` compares with the files (sizes always; checksums with
+``--verify-checksums``). Shards and index get the mode of any new file (``0666`` less the
+umask), so a group or everyone can read a shared copy when the umask lets them.
+
+An ImageFolder with an empty class folder is refused, naming it: every folder is a class,
+and one without images would be a class the model is asked to predict but never sees.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Sequence
 
-from distnorm.data.index import ShardIndex, ShardInfo, index_path
+from distnorm.data.index import ShardIndex, ShardInfo, file_digest, index_path
 from distnorm.data.sources import (
+    IMAGE_EXTENSIONS,
     DatasetSource,
     DigitsSource,
     ImageFolderSource,
@@ -123,6 +130,7 @@ def _verify(path: str, source: ShardSource, indices: Sequence[int]) -> str | Non
 
 def _write_one(source: ShardSource, path: str, indices: Sequence[int]) -> tuple[str, int]:
     """Write one shard under a temporary name, verify it, fsync, rename. Returns (path, bytes)."""
+    # open() creates it 0666 less the umask (the index gets the same, ShardIndex.save).
     wds = _wds()
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -161,6 +169,8 @@ def write_shards(
     Returns:
         The :class:`~distnorm.data.index.ShardIndex` written to ``{prefix}-index.json``.
     """
+    if isinstance(source, ImageFolderSource):
+        _refuse_empty_classes(source)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     plan = plan_shards(source, maxcount, maxsize, shuffle_seed=shuffle_seed)
     paths = [shard_name(prefix, i) for i in range(len(plan))]
@@ -182,14 +192,28 @@ def write_shards(
                 future.result()
                 bar.update()
     bar.close()
+    # The bytes on disk after the rename (written now, or kept from an earlier run).
+    digests = [file_digest(p) for p in paths]
     index = ShardIndex(
         classes=list(source.classes),
-        shards=[ShardInfo(name=Path(p).name, count=len(r), class_counts=_class_counts(source, r))
-                for p, r in zip(paths, plan)],
+        shards=[ShardInfo(name=Path(p).name, count=len(r), class_counts=_class_counts(source, r), size=size, sha256=sha)
+                for p, r, (size, sha) in zip(paths, plan, digests)],
         shuffle_seed=shuffle_seed,
     )
     index.save(index_path(prefix))
     return index
+
+
+def _refuse_empty_classes(source: ImageFolderSource) -> None:
+    """Refuse class folders without images (as ``torchvision.datasets.ImageFolder`` does)."""
+    counts = Counter(label for _, label in source.files)
+    empty = [name for label, name in enumerate(source.classes) if not counts[label]]
+    if empty:
+        shown = ", ".join(empty[:10]) + (f", ... ({len(empty) - 10} more)" if len(empty) > 10 else "")
+        raise ValueError(
+            f"ImageFolder source {source.root!r}: {len(empty)} of {len(source.classes)} class folder(s) hold no images "
+            f"({', '.join(IMAGE_EXTENSIONS)}): {shown}. Every folder is a class; add the missing images or remove "
+            "the empty folders, then write the shards again.")
 
 
 def _class_counts(source: ShardSource, indices: Sequence[int]) -> dict[str, int]:

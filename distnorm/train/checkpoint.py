@@ -170,6 +170,20 @@ class CheckpointManager:
         self.barrier()
         return final
 
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint's directory (what ``latest`` names; not verified
+        here: :meth:`find_resumable` does that), or ``None`` before the first."""
+        try:
+            directory = self.root / (self.root / "latest").read_text().strip()
+        except OSError:
+            return None
+        return directory if directory.is_dir() else None
+
+    def latest_step(self) -> int | None:
+        """The global step of :meth:`latest`, or ``None``."""
+        directory = self.latest()
+        return int(directory.name[len(PREFIX):]) if directory is not None else None
+
     def find_resumable(self) -> tuple[Path, dict[str, Any]] | None:
         """The newest checkpoint that verifies, and its trainer state (or ``None``)."""
         for directory in reversed(self._complete()):

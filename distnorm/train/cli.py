@@ -3,9 +3,17 @@
     distnorm-train --config configs/imagenet/resnet50_cbn.yaml [section.key=value ...]
     distnorm-train --config ... --dry-run              # build everything, two synthetic steps
     distnorm-train --config ... --check --world-size 16   # validate before the queue wait
+    distnorm-train --config ... --check --verify-checksums  # and every shard's SHA-256
 
 Launch it under ``torchrun`` / SLURM / ``deepspeed`` / ``accelerate launch`` (see
 ``launch/``): every process runs this same command.
+
+What the processes print when a run does not finish: an error every rank shares (a bad
+command line, ranks whose setups differ) once, from the first process (of each node, for a
+bad command line); a configuration or data error as one line, without a traceback; Ctrl-C
+(SIGINT, which ``torchrun`` forwards to every process) one line from rank 0 naming the last
+checkpoint and the command that resumes from it. Under ``torchrun`` the same message goes
+to its error file, so the launcher's failure summary shows it as the root cause.
 """
 
 from __future__ import annotations
@@ -13,20 +21,47 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import signal
 import sys
-from typing import Sequence
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from distnorm.train.config import ConfigError, describe_config, load_config
+from distnorm.data.loaders import DataError
+from distnorm.train.checkpoint import CheckpointManager
+from distnorm.train.config import ConfigError, TrainConfig, describe_config, load_config
 from distnorm.train.engines import local_world
-from distnorm.train.loop import check_setup, train
+from distnorm.train.loop import SetupMismatchError, check_setup, data_error_message, train
 
 __all__ = ["main", "build_parser"]
 
+#: Set by torchrun.sh (and any wrapper that knows it): the command as the user typed it, which
+#: the Ctrl-C line gives as the command that resumes the run.
+LAUNCH_COMMAND_ENV = "DISTNORM_LAUNCH_COMMAND"
+
+
+def _local_rank() -> int:
+    """This process's index on its node (``LOCAL_RANK``, which every launcher sets; 0 alone)."""
+    return int(os.environ.get("LOCAL_RANK") or 0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage error every process of a launch shares (the same argv): printed
+    by the first process of each node only, and recorded for the launcher's summary."""
+
+    def error(self, message: str):  # type: ignore[override]
+        _record_for_launcher(f"{self.prog}: error: {message}")
+        if _local_rank() != 0:
+            self.exit(2)
+        super().error(message)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="distnorm-train",
         description="Train an ImageNet / CIFAR / demo recipe with synchronized CBN, POP-Norm, BN or BNP.",
     )
@@ -38,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="build the model, engine and plugin, run two steps on a synthetic batch; no data needed")
     parser.add_argument("--dry-run-batch", type=int, default=None, help="per-rank batch of the dry run")
     parser.add_argument("--check", action="store_true",
-                        help="validate the config, engine, data paths and batch split, then exit")
+                        help="validate the config, engine, data paths, shard sizes and batch split, then exit")
+    parser.add_argument("--verify-checksums", action="store_true",
+                        help="with --check: also compare every local shard's SHA-256 with its index "
+                             "(reads every byte: minutes for ImageNet)")
     parser.add_argument("--world-size", type=int, default=None, help="with --check: the number of processes planned")
     # The DeepSpeed launcher (and torch.distributed.launch) pass --local_rank=N to every
     # worker; LOCAL_RANK in the environment says the same and wins when both are present.
@@ -55,7 +93,61 @@ def set_log_level(level: str) -> None:
         logging.getLogger(name).setLevel(value)
 
 
+def _record_for_launcher(message: str) -> None:
+    """Write ``message`` where torchrun's failure summary reads a process's root cause
+    (``TORCHELASTIC_ERROR_FILE``, the format of torch.distributed.elastic's ``@record``), so the
+    summary shows it instead of "To enable traceback see: ..."; nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+
+    # The summary shows "py_callstack" as the failure's traceback: here, the message alone.
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(record))
+    except OSError:
+        pass  # the summary then says less; the message was printed anyway
+
+
+class _Interrupt:
+    """Records SIGINT (Ctrl-C; torchrun forwards it to every process), then raises
+    KeyboardInterrupt as Python's own handler does. Whatever a process raises after it —
+    the KeyboardInterrupt, or a collective that failed because a peer stopped first — is the
+    interruption, reported once."""
+
+    def __init__(self) -> None:
+        self.seen, self.previous = False, None
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _interrupted_line(cfg: TrainConfig | None, argv: Sequence[str]) -> str:
+    """The one line a Ctrl-C leaves: where the last checkpoint is, and how to resume from it."""
+    command = os.environ.get(LAUNCH_COMMAND_ENV) or \
+        f"distnorm-train {shlex.join(a for a in argv if not a.startswith('--local'))}, under the same launcher"
+    if cfg is None:
+        return f"distnorm-train: interrupted before the run started; to start it: {command}"
+    latest = CheckpointManager(Path(cfg.output.dir) / "checkpoints", 1, False, lambda: None).latest()
+    if latest is None:
+        return (f"distnorm-train: interrupted before the first checkpoint (none in {cfg.output.dir}); "
+                f"the same command starts the run again: {command}")
+    step = int(latest.name.removeprefix("step_"))
+    return (f"distnorm-train: interrupted; the last checkpoint is {latest} (step {step}); "
+            f"to resume from it, run the same command again: {command}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.help_config:
@@ -63,22 +155,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.config is None:
         parser.error("the following arguments are required: --config")
+    if args.verify_checksums and not args.check:
+        parser.error("--verify-checksums goes with --check (training itself compares sizes only)")
     if args.local_rank is not None:
         os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg, interrupt = None, None
     try:
         cfg = load_config(args.config, args.overrides)
         set_log_level(cfg.output.log_level)
         if args.check:
             world = args.world_size or local_world()[1]
-            check_setup(cfg, world)
-            print(f"{args.config}: OK for {world} process(es), {cfg.per_rank_batch(world)} samples each per step")
+            check_setup(cfg, world, checksums=args.verify_checksums)
+            checked = "shards, sizes and checksums" if args.verify_checksums else "shards and sizes"
+            print(f"{args.config}: OK for {world} process(es), {cfg.per_rank_batch(world)} samples each per step "
+                  f"({checked} checked)")
             return 0
+        interrupt = _Interrupt()
         result = train(cfg, dry_run=args.dry_run, dry_run_batch=args.dry_run_batch)
-    except ConfigError as err:
-        print(f"distnorm-train: configuration error: {err}", file=sys.stderr)
-        return 2
+    except BaseException as err:  # noqa: BLE001 - each kind is reported below or re-raised
+        code = _report(err, cfg, argv, interrupted=interrupt is not None and interrupt.seen)
+        if code is None:
+            raise
+        return code
     finally:
+        if interrupt is not None:
+            interrupt.restore()
         # Leave no communication thread running at interpreter exit.
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -88,6 +190,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"dry run OK: {result['global_step']} steps, evaluation forward OK ({evaluation.get('count', 0)} samples)")
         else:
             top1 = f"{evaluation['top1']:.2f}%" if evaluation else "not evaluated"
-            print(f"final top-1 {top1}; metrics: {result['run_dir']}/metrics.jsonl; "
-                  f"checkpoint: {result['checkpoint']}")
+            saved = f"checkpoint: {result['checkpoint']}" if result["checkpoint"] else "no checkpoint written"
+            print(f"final top-1 {top1}; metrics: {result['run_dir']}/metrics.jsonl; {saved}")
     return 0
+
+
+def _report(err: BaseException, cfg: TrainConfig | None, argv: Sequence[str], *, interrupted: bool) -> int | None:
+    """Print what ``err`` means for the user, once; the exit code, or ``None`` to re-raise."""
+    rank = local_world()[0]
+    if interrupted or isinstance(err, KeyboardInterrupt):
+        line = _interrupted_line(cfg, argv)
+        _record_for_launcher(line)
+        if rank == 0:
+            print(line, file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
+    if isinstance(err, ConfigError):
+        message = f"distnorm-train: configuration error: {err}"
+        _record_for_launcher(message)
+        # Said once: ranks that disagree all raise the same error (rank 0 says it); any other
+        # configuration error comes from the command line, the config file or this node's
+        # files, the same for every process of a node (its first says it).
+        if (rank if isinstance(err, SetupMismatchError) else _local_rank()) == 0:
+            print(message, file=sys.stderr, flush=True)
+        return 2
+    if isinstance(err, DataError):
+        message = f"distnorm-train: data error on rank {rank}: {data_error_message(err)}"
+        _record_for_launcher(message)
+        print(message, file=sys.stderr, flush=True)
+        return 1
+    if isinstance(err, Exception) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)  # torchrun's summary shows this traceback as the root cause
+    return None

@@ -23,7 +23,7 @@ import distnorm
 from distnorm import _collectives, models
 from distnorm._collectives import assert_same_across_ranks
 from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate, expand_urls
-from distnorm.data.loaders import DataError
+from distnorm.data.loaders import SKIP_HINT, DataError
 from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
 from distnorm.monitors import TheoryMonitor
 from distnorm.train.checkpoint import CheckpointManager
@@ -32,21 +32,61 @@ from distnorm.train.engines import local_world, make_engine, require_engine
 from distnorm.train.metrics import MetricsWriter
 
 __all__ = ["train", "train_one_epoch", "Position", "Reporting", "build_model", "build_loaders", "check_setup",
-           "SyntheticLoader"]
+           "SyntheticLoader", "SetupMismatchError", "data_error_message"]
 
 logger = logging.getLogger(__name__)
 
 
-def _local_shards_missing(pattern: str) -> list[str]:
-    """Local shard files that do not exist (remote / pipe: URLs cannot be checked here)."""
+class SetupMismatchError(ConfigError):
+    """Ranks disagree on their setup. Raised on every rank with the same message (so one
+    rank printing it says everything)."""
+
+
+def _local_shards(pattern: str) -> list[str]:
+    """The local shard files among the URLs (remote / pipe: URLs cannot be checked here)."""
     urls = expand_urls(pattern)
     local = [u[len("file://"):] if u.startswith("file://") else u for u in urls if "://" not in u or u.startswith("file://")]
-    local = [u for u in local if not u.startswith("pipe:")]
-    return [u for u in local if not Path(u).is_file()]
+    return [u for u in local if not u.startswith("pipe:")]
 
 
-def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True) -> None:
-    """Everything that can be checked before any worker starts; raises ConfigError."""
+def _check_shard_files(cfg: TrainConfig, split: str, local: list[str], index: ShardIndex, checksums: bool,
+                       warn: bool) -> None:
+    """The local shards against their index: a size each (one ``stat``), and with ``checksums``
+    every byte (SHA-256). A mismatch is a ConfigError, or a warning under data.on_error=skip
+    (the loaders then skip what cannot be read)."""
+    index_key = f"data.{split}_index {getattr(cfg.data, f'{split}_index')}"
+    unrecorded = index.unchecked(checksum=checksums)
+    if checksums and unrecorded:
+        raise ConfigError(
+            f"{index_key} records no checksum for {len(unrecorded)} shard(s) (e.g. {unrecorded[0]}): an earlier "
+            "distnorm-shards wrote it. Run the same distnorm-shards command again: it keeps the shards that verify "
+            "against their source and writes the index with each shard's size and SHA-256.")
+    problems = index.verify_files(local, checksum=checksums)
+    unlisted = [p for p in problems if p.endswith(": not listed in the index")]
+    if unlisted:
+        raise ConfigError(f"data.{split}_shards names {len(unlisted)} shard(s) that {index_key} does not list, e.g. "
+                          f"{unlisted[0].removesuffix(': not listed in the index')}: point both at the same shard set")
+    if not problems:
+        return
+    listing = "; ".join(problems[:5]) + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else "")
+    what = f"data.{split}_shards: {len(problems)} of {len(local)} shard(s) differ from {index_key}: {listing}."
+    if cfg.data.on_error == "skip":
+        if warn:
+            warnings.warn(f"{what} Training goes on (data.on_error=skip): what cannot be read is skipped and counted.",
+                          stacklevel=3)
+        return
+    raise ConfigError(f"{what} Copy them again from the original (or write them again with distnorm-shards), or set "
+                      "data.on_error=skip to go on without the samples that cannot be read.")
+
+
+def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True, checksums: bool = False,
+                warn: bool = True) -> None:
+    """Everything that can be checked before any worker starts; raises ConfigError.
+
+    The local shards are compared with their index: sizes always (a ``stat`` each), SHA-256
+    checksums with ``checksums`` (every byte read; minutes for ImageNet, see the data
+    reference). ``warn``: whether this process warns (rank 0) when data.on_error=skip lets
+    a mismatch through."""
     require_engine(cfg.train.engine)
     cfg.per_rank_batch(world_size)
     if cfg.train.engine == "deepspeed" and not Path(cfg.train.deepspeed_config).is_file():
@@ -63,12 +103,18 @@ def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True) -> None
             raise ConfigError(f"data.{split}_index is not set (distnorm-shards writes it beside the shards)")
         if not Path(index).is_file():
             raise ConfigError(f"data.{split}_index {index} does not exist; write the shards with distnorm-shards first")
-        missing = _local_shards_missing(shards)
+        local = _local_shards(shards)
+        missing = [u for u in local if not Path(u).is_file()]
         if missing:
             raise ConfigError(f"data.{split}_shards: {len(missing)} shard(s) missing, e.g. {missing[0]}")
-        classes = len(ShardIndex.load(index).classes)
+        try:
+            shard_index = ShardIndex.load(index)
+        except ValueError as err:  # not an index, or an inconsistent one
+            raise ConfigError(f"data.{split}_index: {err}") from None
+        classes = len(shard_index.classes)
         if classes != cfg.model.num_classes:
             raise ConfigError(f"model.num_classes={cfg.model.num_classes} but {index} lists {classes} classes")
+        _check_shard_files(cfg, split, local, shard_index, checksums, warn)
 
 
 def init_distributed(cfg: TrainConfig) -> None:
@@ -88,10 +134,22 @@ def init_distributed(cfg: TrainConfig) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))
 
 
+def _keyed_lines(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """``section.key = value`` lines (values as JSON), nested sections flattened: compared
+    across ranks, a mismatch names the keys that differ (``assert_same_across_ranks``)."""
+    lines = []
+    for key, value in sorted(values.items()):
+        if isinstance(value, dict) and value:
+            lines += _keyed_lines(value, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key} = {json.dumps(value, sort_keys=True, default=str)}")
+    return lines
+
+
 def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
     """Start-up mismatch detection: one fixed-size hash all-reduce per item, before the
-    engine's first collective; a mismatch is a ConfigError on every rank naming the item
-    and what each rank has."""
+    engine's first collective; a mismatch is a :class:`SetupMismatchError` on every rank
+    naming the item, the keys that differ and each rank's value."""
     def digest(path: str | None) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path and Path(path).is_file() else "-"
 
@@ -100,13 +158,20 @@ def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
     config = cfg.to_dict()
     config["data"] = {k: v for k, v in config["data"].items() if not k.endswith(("_shards", "_index"))}
     items = {
-        "the training configuration": json.dumps(config, sort_keys=True, default=str),
-        "the world size and per-rank batch": f"world={world} per_rank={cfg.per_rank_batch(world)}",
-        "the dataset index files": f"train={digest(cfg.data.train_index)} val={digest(cfg.data.val_index)}",
-        "the model structure": "\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict().items()),
+        "the training configuration": ("\n".join(_keyed_lines(config)),
+                                       "Every process must run the same config file with the same overrides (a "
+                                       "node whose launcher got other overrides, or its own edited copy of the YAML)."),
+        "the world size and per-rank batch": (f"world={world} per_rank={cfg.per_rank_batch(world)}", ""),
+        "the dataset index files": (f"data.train_index.sha256 = {json.dumps(digest(cfg.data.train_index))}\n"
+                                    f"data.val_index.sha256 = {json.dumps(digest(cfg.data.val_index))}",
+                                    "Every node must read the same index (copy it again from one place)."),
+        "the model structure": ("\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in model.state_dict().items()), ""),
     }
-    for what, text in items.items():
-        assert_same_across_ranks(text, what, error=ConfigError)
+    for what, (text, hint) in items.items():
+        try:
+            assert_same_across_ranks(text, what, error=SetupMismatchError)
+        except SetupMismatchError as err:  # raised on every rank alike: adding the hint keeps them alike
+            raise SetupMismatchError(f"{err}\n{hint}".rstrip()) from None
 
 
 def _gather_texts(text: str) -> list[str]:
@@ -128,7 +193,7 @@ def _agree_on_resume(found: tuple[Path, dict[str, Any]] | None, world: int, *, a
     where = str(found[0]) if found is not None else "no checkpoint"
     assert_same_across_ranks(
         where, "the checkpoint to resume from (every rank must see the same checkpoint directory, e.g. on a "
-        "shared file system, and the same files in it)", error=ConfigError)
+        "shared file system, and the same files in it)", error=SetupMismatchError)
     if found is not None:
         saved = found[1].get("world_size", world)  # checkpoints from before this field: not checked
         if saved != world and allow_other_world and per_rank_engine is not None:
@@ -406,14 +471,28 @@ def _end_of_epoch(cfg: TrainConfig, engine: Any, eval_loader: Any, position: Pos
     return last_eval
 
 
+def data_error_message(err: DataError) -> str:
+    """A loader's :class:`DataError` as the recipe's user reads it: the loader's own message
+    (without the worker traceback a DataLoader wraps it in), with the setting to change named
+    as the override they would type (``data.on_error=skip``) rather than the loader's keyword."""
+    text = str(err)
+    if "Original Traceback" in text:  # raised in a DataLoader worker: the last line is the error
+        text = text.rstrip().rsplit("DataError: ", 1)[-1]
+    text = text.replace(SKIP_HINT, "set data.on_error=skip to skip bad data (counted and reported each epoch), or "
+                                   "find the damaged shards with distnorm-train --check --verify-checksums")
+    return " ".join([text, *getattr(err, "__notes__", [])])
+
+
 def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None = None) -> dict[str, Any]:
     """Run the recipe; returns the last evaluation metrics (and run facts).
 
     ``dry_run``: build everything (model, engine, conversion), train two steps on synthetic
-    batches and evaluate one; no metrics, checkpoints or resume.
+    batches and evaluate one; no metrics, checkpoints or resume. A run stopped by
+    ``train.max_steps`` writes a checkpoint there (as Lightning does), so rerunning the
+    command with a larger ``max_steps`` continues from it.
     """
     rank, world = local_world()
-    check_setup(cfg, world, data=not dry_run)
+    check_setup(cfg, world, data=not dry_run, warn=rank == 0)
     if dry_run:
         cfg = _dry_run_config(cfg)
     per_rank = cfg.per_rank_batch(world)
@@ -453,9 +532,12 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
             if position.step_in_epoch < len(train_loader):
                 break  # max_steps reached mid-epoch
             last_eval = _end_of_epoch(cfg, engine, eval_loader, position, report, lr, started, last_eval)
+        # Stopped by max_steps mid-epoch (an epoch's end has just saved): keep the work done.
+        if outputs and position.global_step and checkpoints.latest_step() != position.global_step:
+            report.save(position)
     finally:
         report.progress.close()
         writer.close()
+    latest = checkpoints.latest() if outputs else None
     return {"eval": last_eval, "global_step": position.global_step, "run_dir": str(run_dir),
-            "checkpoint": str(checkpoints.root / "latest") if outputs else None,
-            "world_size": world, "per_rank_batch": per_rank}
+            "checkpoint": str(latest) if latest else None, "world_size": world, "per_rank_batch": per_rank}
