@@ -5,7 +5,9 @@ synchronize over (``None`` means "run locally") and for the packed reductions. K
 collectives in one place makes the per-step communication easy to audit:
 
 * forward of a synchronized layer: :func:`global_moments` — ONE all-reduce of a ``(3, C)``
-  float64 tensor (per-channel sum, sum of squares and sample count);
+  float64 tensor (per-channel sum, sum of squares and sample count); at a group's first
+  CBN / BN step the count row also carries the ranks' vote on the fused operators' kernels
+  (:mod:`distnorm._fused`), in the same values;
 * backward: :func:`all_reduce_sum` — ONE all-reduce of the ``(2, C)`` per-channel gradient
   sums;
 * BNP (``distnorm.bnp``) reuses :func:`global_moments` on each layer's input;
@@ -371,7 +373,7 @@ def _scratch(channels: int, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = "",
-                   training: bool = True) -> Moments:
+                   training: bool = True, piggyback: torch.Tensor | None = None) -> Moments:
     """Per-channel count, mean and biased variance of ``x`` over every rank of ``group``.
 
     Local (``group is None``): the Welford statistics of :func:`local_moments`, count known
@@ -387,6 +389,14 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     tensor), which is what keeps every buffer derived from it bit-identical without
     broadcasts. Ranks that hold more than one value per channel know the global batch is
     valid without reading the count; the others get the mask as a tensor.
+
+    ``piggyback``: a float64 ``(k,)`` tensor of small integers on ``x``'s device, ``k < C``,
+    summed over the group in the same all-reduce and overwritten with the sums — how a group
+    agrees once on something without a collective of its own, or a byte more
+    (:func:`distnorm._fused.triton_vote`). It rides on the count row, whose ``C`` entries are
+    copies of one integer: entry ``i`` is added to channel ``i``'s count and taken out again
+    after the reduction from channel ``k``'s, exactly (integers below ``2**53`` in float64).
+    Every rank must pass one at the same call, or none.
     """
     channels = x.shape[1]
     acc = accumulate_dtype(x)
@@ -407,7 +417,13 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
         packed.mul_(local_count)
     else:
         packed = torch.zeros(3, channels, dtype=torch.float64, device=x.device)
+    if piggyback is not None:
+        k = piggyback.numel()
+        packed[2, :k] += piggyback
     all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}")
+    if piggyback is not None:
+        torch.sub(packed[2, :k], packed[2, k], out=piggyback)
+        packed[2, :k] = packed[2, k]
     if _debug.is_debug():
         _check_statistics(packed[:2], layer, training, float(packed[2, 0]) if channels else 0.0)
 

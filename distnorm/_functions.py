@@ -5,7 +5,9 @@ one collective in the forward and one in the backward, saves only its input plus
 per-channel vectors, and never reads a tensor on the host:
 
 statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
-    1. :func:`distnorm._collectives.global_moments`: local Welford moments, ONE all-reduce.
+    1. :func:`distnorm._collectives.global_moments`: local Welford moments, ONE all-reduce
+       (at a group's first step its counts also carry the ranks' vote on the fused
+       operators' kernels, so every rank runs the same ones: :mod:`distnorm._fused`).
     2. Per-channel algebra in the accumulation dtype (float32, float64 for float64 input):
        the statistics the output uses, and the coefficients of the backward below.
     3. Buffer updates (running / AMAT statistics), on device, exactly once per step.
@@ -90,7 +92,9 @@ class NormState:
         process_group, sync: what to synchronize over.
         history: AMAT blends in history at this step (``eta > 0``); known from ``set_lr``.
         amat_ready: the AMAT buffers are initialised on every rank (the host saw it happen).
-        stats_sink: dict the theory monitors read the last batch statistics from, or None.
+        stats_sink: dict the theory monitors read the last batch statistics from, or None
+            (references to the fused operator's inputs and outputs: no op of its own).
+        stash: plans kept for activation checkpointing (made at first use).
     """
 
     kind: str
@@ -104,7 +108,7 @@ class NormState:
     history: bool = False
     amat_ready: bool = False
     stats_sink: dict | None = None
-    stash: Stash = field(default_factory=Stash, repr=False)
+    stash: Stash | None = field(default=None, repr=False)  # made at the first stash (a layer makes its own)
     pending: StashedPlan | None = field(default=None, repr=False)
     key: int = field(default=-1, repr=False)  # registry key of distnorm._ops (torch.compile)
 
@@ -175,8 +179,14 @@ class NormPlan(NamedTuple):
 def _begin(x: torch.Tensor, state: Any, replay: bool) -> Any:
     """A recomputed forward (activation checkpointing) reuses the first forward's plan."""
     if replay and in_backward():
-        return state.stash.pop(x.shape, state.name)
+        return _stash_of(state).pop(x.shape, state.name)
     return None
+
+
+def _stash_of(state: Any) -> Stash:
+    if state.stash is None:  # created here, not in NormState(): torch.compile traces the functional API's
+        state.stash = Stash()
+    return state.stash
 
 
 def _finish(plan: Any, x: torch.Tensor, state: Any, replay: bool) -> Any:
@@ -185,7 +195,7 @@ def _finish(plan: Any, x: torch.Tensor, state: Any, replay: bool) -> Any:
         return plan
     stashed = StashedPlan(plan, x.shape)
     grad_enabled = torch.is_grad_enabled()
-    state.stash.push(stashed, grad_enabled=grad_enabled)
+    _stash_of(state).push(stashed, grad_enabled=grad_enabled)
     state.pending = stashed if grad_enabled else None  # the autograd node keeps it alive
     return plan
 
@@ -204,7 +214,10 @@ def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: to
     if replayed is not None:
         return replayed
     group = state.group()
-    moments = _collectives.global_moments(x, group, layer=state.name)
+    votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
+    moments = _collectives.global_moments(x, group, layer=state.name, piggyback=votes)
+    if votes is not None:
+        _fused.triton_decision(group, x.device, votes)  # kept for the backward's shift_slope
     mean, var, count = moments.mean, moments.var, moments.count
     acc = mean.dtype
     channels = mean.shape[0]
@@ -234,14 +247,19 @@ def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, bu
     replayed = _begin(x, state, replay)
     if replayed is not None:
         return replayed
-    count, mu_b, var_x, valid = _collectives.global_moments(x, state.group(), layer=state.name)
+    group = state.group()
+    votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
+    count, mu_b, var_x, valid = _collectives.global_moments(x, group, layer=state.name, piggyback=votes)
+    triton = _fused.triton_decision(group, x.device, votes)
     host_count = count if isinstance(count, int) else -1
     args = (mu_b, var_x, None if isinstance(count, int) else count, host_count, valid is True, weight, bias,
             amat_eta, *buffers, state.eps, state.momentum, state.rho, state.r_max, state.history, state.amat_ready)
-    if state.stats_sink is None:
-        plan = NormPlan(*torch.ops.distnorm.cbn_plan(*args))
-    else:  # theory monitors (distnorm.monitors), off the hot path: the composite fills the sink
-        plan = NormPlan(*_fused.cbn_plan_composite(*args, sink=state.stats_sink))
+    plan = NormPlan(*torch.ops.distnorm.cbn_plan(*args, triton))
+    if state.stats_sink is not None:
+        # Theory monitors (distnorm.monitors) read the operator's own inputs and outputs, the
+        # values every rank computes: references, no op and no second computation, so a rank
+        # with a monitor runs exactly the arithmetic of the others.
+        state.stats_sink.update(mean=mu_b, var=var_x, center=plan.center, eps=state.eps)
     if valid is True:
         state.amat_ready = True  # the host saw the AMAT buffers initialised
     return _finish(plan, x, state, replay)
@@ -332,12 +350,13 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
         # (kernel contract: no empty input; fresh zeros, since they become gradients)
         t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()
 
+    triton = _fused.triton_decision(state.group(), x.device)  # what the forward's group agreed
     if state.kind == "bn":
         sums = torch.stack([s1_local, t_local])
         grad_weight, grad_bias = t_local, s1_local
     else:  # one fused operator: [S1, T], dgamma, dbeta (local sums; see distnorm._fused)
         sums, grad_weight, grad_bias = torch.ops.distnorm.cbn_param_grads(
-            s1_local, t_local, beta_coef, grad_scale, 1.0 / state.rho)
+            s1_local, t_local, beta_coef, grad_scale, 1.0 / state.rho, triton)
 
     if not need_input_grad:
         return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias
@@ -345,7 +364,7 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
     # sums. Parameter gradients do not: they stay local and the data-parallel engine
     # averages them, exactly as for torch.nn.SyncBatchNorm.
     _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}")
-    shift, slope = torch.ops.distnorm.shift_slope(grad_coef, sums)  # D, B = grad_coef @ sums
+    shift, slope = torch.ops.distnorm.shift_slope(grad_coef, sums, triton)  # D, B = grad_coef @ sums
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
     grad_x = channel_affine(x, slope, shift)

@@ -15,15 +15,43 @@ the host pays for, more than the arithmetic. So each step is one custom operator
 ``distnorm::shift_slope``
     The backward's global step: ``[D, B] = grad_coef @ sums``, per channel.
 
-Each operator has one kernel per device, like an ATen op: the ATen composite below on every
-device (the reference, and the kernel on the CPU), and on CUDA one Triton kernel
-(:mod:`distnorm._triton`) where the case is supported — float32 accumulation, buffers of
-that dtype, a host count only when the batch is valid — the composite elsewhere.
-``DISTNORM_TRITON=0`` selects the composite on CUDA too. The op counter of the tests
-(``tests/dispatch.py``) sees each operator as one op, which is what a GPU launches; the
-Triton kernels are checked against the composite by ``tests/test_fused.py`` through
-Triton's interpreter. Under ``torch.compile`` the operators have fake kernels, so a graph
-can hold them.
+Each operator has two implementations: the ATen composite below (the reference, and what
+runs on the CPU) and one Triton kernel (:mod:`distnorm._triton`, CUDA) for the supported
+cases — float32 accumulation, buffers of that dtype, a host count only when the batch is
+valid. Which one runs is the operator's last argument, ``triton``, and the caller takes it
+from :func:`triton_decision`: the two are not bit-identical (the kernel's ``rsqrt`` /
+division rounding and FMA contraction differ from ATen's by a few ulp), so **every rank of
+a synchronized layer's group must take the same one**, or the buffers that are meant to be
+identical on every rank drift apart.
+
+Whether Triton runs is therefore agreed by the group, once, through the all-reduce a layer
+already issues: at the group's first synchronized CBN / BN step on a device type (of a layer
+of at least 3 channels), each rank votes (:func:`triton_vote`: Triton works here / failed /
+neither), the vote rides in the values of that all-reduce (added to the counts and taken
+out again, exactly: no byte more), and every rank reads the same sums
+(:func:`triton_decision`). Until then the group runs the composite, on every rank alike.
+
+* every rank works: Triton, on every rank;
+* a rank's Triton failed (it imports but cannot build or launch a kernel — no C compiler or
+  CUDA driver library for its launcher, an unsupported GPU — or its kernels differ from the
+  composite there): **every** rank raises, naming the ranks and their errors, after the same
+  collective, so none is left waiting. A failure is never turned into a quiet fallback;
+* no rank failed but some do not run Triton (``DISTNORM_TRITON=0``, no Triton installed, CPU
+  tensors): the composite on every rank of the group, with a warning where that differs
+  from what a rank would have chosen alone.
+
+A layer without a group (one process, or ``sync=False``) decides alone, with the same rule.
+A rank's vote launches each kernel once on a few channels and compares it with the
+composite, so the toolchain failures above surface before the first real step. What is
+decided, and why, is :func:`triton_state` (the GPU report prints it).
+
+``DISTNORM_TRITON`` (read when a decision is made): ``1`` (default) Triton on CUDA where it
+works; ``0`` the composite everywhere; ``interpret`` the Triton kernels on every device, the
+CPU included, through Triton's interpreter (slow: to run the Triton path without a GPU, as
+the tests do). The op counter of the tests (``tests/dispatch.py``) sees each operator as one
+op, which is what a GPU launches; ``tests/test_fused.py`` checks the kernels against the
+composite through the interpreter. Under ``torch.compile`` the operators have fake kernels,
+so a graph can hold them.
 
 The helpers below (:func:`blend`, :func:`update_running`, :func:`grad_coef_of`,
 :func:`neg_inverse_count`) are shared with batch normalization's statistics in
@@ -32,19 +60,24 @@ The helpers below (:func:`blend`, :func:`update_running`, :func:`grad_coef_of`,
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
+import importlib.util
 import os
 import warnings
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from distnorm._collectives import constant
+from distnorm import _collectives
+from distnorm._collectives import ProcessGroup, constant
 
-__all__ = ["blend", "cbn_param_grads", "cbn_plan", "cbn_plan_composite", "grad_coef_of", "neg_inverse_count",
-           "shift_slope", "to_dtype", "triton_enabled", "update_running"]
+__all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_plan", "cbn_plan_composite", "grad_coef_of",
+           "interpreted_kernels", "load_interpreted", "neg_inverse_count", "shift_slope", "to_dtype", "triton_decision",
+           "triton_enabled", "triton_state", "triton_vote", "update_running"]
 
 
 # ------------------------------------------------------------------------- helpers
@@ -112,8 +145,7 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
                        weight: Tensor, bias: Tensor, eta: Tensor, amat_mean: Tensor, amat_var: Tensor,
                        amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor,
                        num_batches_tracked: Tensor, eps: float, momentum: Optional[float], rho: float,
-                       r_max: float, history: bool, amat_ready: bool,
-                       sink: dict | None = None) -> tuple[Tensor, ...]:
+                       r_max: float, history: bool, amat_ready: bool) -> tuple[Tensor, ...]:
     """CBN's per-channel step (SPEC §1; POP-Norm: ``rho = 1``, ``r_max = 1``), in ATen calls.
 
     Per channel, with ``mu_B = mean``, ``var(x) = var`` and ``eta`` (``history``: eta > 0)::
@@ -133,9 +165,7 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
     step is valid (buffers updated) when it exceeds 1: known on the host when
     ``valid_known`` or for a host count, else masked on the device.
 
-    Returns ``(center, var_U, invstd, a, grad_coef, beta_coef)``, all new tensors. ``sink``
-    (the theory monitors', :mod:`distnorm.monitors`) receives the batch's ``mean``,
-    ``sigma = sqrt(var_B + eps)`` and ``amat_mean = mu_U``.
+    Returns ``(center, var_U, invstd, a, grad_coef, beta_coef)``, all new tensors.
     """
     n: int | Tensor = host_count if count is None else count
     valid: bool | Tensor = host_count > 1 if count is None else (True if valid_known else count > 1)
@@ -191,31 +221,243 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
                                                      torch.where(valid, var_u, amat_var)])
         amat_initialized.logical_or_(valid[0])
     update_running(running_mean, running_var, num_batches_tracked, mu_b, var_x, n, momentum, valid)
-    if sink is not None:
-        sink.update(mean=mu_b.clone(), sigma=torch.rsqrt(var_b + eps).reciprocal(), amat_mean=mu_u.clone())
     return center, var_u, invstd, a, grad_coef, beta_coef
 
 
-@functools.cache
-def _triton_kernels() -> ModuleType | None:
-    """:mod:`distnorm._triton`, or None where Triton cannot be imported. Loaded on the first
-    CUDA step that can use it (never on a CPU-only run) and remembered, so a machine without
-    Triton pays one failed import, not one per step."""
+# ------------------------------------------------------------------ which kernels run
+class TritonState(NamedTuple):
+    """Whether the fused operators run their Triton kernels, and why not.
+
+    Attributes:
+        used: the Triton kernels run (for the group / device asked about).
+        reason: why not (empty when ``used``); where a group agreed, what it agreed on.
+    """
+
+    used: bool
+    reason: str
+
+
+_OK, _FAILED, _OFF = 0, 1, 2  # a rank's verdict; its vote sends [ok, failed] (off: neither)
+_MODES = ("1", "0", "interpret")
+
+
+def _mode() -> str:
+    return os.environ.get("DISTNORM_TRITON", "1").strip()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
-        from distnorm import _triton
-    except ImportError:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+@functools.cache
+def _compiled_kernels() -> tuple[ModuleType | None, str]:
+    """:mod:`distnorm._triton` and ``""``, or ``None`` and why Triton cannot be imported.
+    Loaded at the first decision for CUDA tensors (never on a CPU-only run) and remembered."""
+    try:
+        return importlib.import_module("distnorm._triton"), ""
+    except ImportError as err:
+        return None, f"triton cannot be imported ({err})"
+
+
+@functools.cache
+def interpreted_kernels() -> ModuleType:
+    """A second copy of :mod:`distnorm._triton` whose kernels run in Triton's interpreter (on
+    CPU tensors too): ``DISTNORM_TRITON=interpret``, and the tests."""
+    return load_interpreted(os.path.join(os.path.dirname(__file__), "_triton.py"))
+
+
+def load_interpreted(path: str | os.PathLike, name: str = "distnorm._triton_interpreted") -> ModuleType:
+    """The kernel module at ``path`` (:mod:`distnorm._triton`'s interface) with its kernels
+    in Triton's interpreter. Triton itself is imported first, normally: imported under
+    ``TRITON_INTERPRET=1`` its own helpers would become interpreted functions, which parts
+    it imports later (Triton 3.8's gluon, at the first launch) reject."""
+    importlib.import_module("triton")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with _env("TRITON_INTERPRET", "1"):  # read by @triton.jit when the kernels are defined
+        spec.loader.exec_module(module)
+    return module
+
+
+def _kernels_for(device: torch.device) -> tuple[ModuleType | None, str]:
+    """The Triton kernels for tensors on ``device`` under ``DISTNORM_TRITON``, or ``None`` and
+    why there are none (a mode of ``0``, a CPU device, no Triton)."""
+    mode = _mode()
+    if mode == "0":
+        return None, "DISTNORM_TRITON=0"
+    if mode == "interpret":
+        try:
+            return interpreted_kernels(), ""
+        except ImportError as err:
+            return None, f"triton cannot be imported ({err})"
+    if device.type != "cuda":
+        return None, (f"{device.type} tensors: the ATen composite is their kernel "
+                      "(DISTNORM_TRITON=interpret runs the Triton kernels in Triton's interpreter)")
+    return _compiled_kernels()
+
+
+def _probe(kernels: ModuleType, device: torch.device) -> None:
+    """Launch each kernel once on 16 channels of ``device`` and compare it with the composite:
+    a Triton that cannot build its launcher or compile here raises, and so does one whose
+    kernels compute something else (to 1e-5)."""
+    c = 16
+    ramp = torch.arange(c, dtype=torch.float32, device=device)
+    mean, var = (ramp - 7.5) * 0.3, ramp * 0.05 + 0.5
+    weight, bias, eta = ramp * 0.01 + 0.9, ramp * 0.02 - 0.1, torch.full((), 0.6, device=device)
+    count = torch.full((c,), 64.0, device=device)
+
+    def buffers() -> list[Tensor]:
+        return [mean * 0.5, var * 1.5, torch.ones((), dtype=torch.bool, device=device), mean * 0.1, var * 0.9,
+                torch.full((), 3, dtype=torch.long, device=device)]
+
+    args = (1e-5, 0.1, 1.5, 3.0)
+    got_buffers, want_buffers = buffers(), buffers()
+    got = kernels.cbn_plan(mean, var, count, -1, weight, bias, eta, *got_buffers, *args, True)
+    want = cbn_plan_composite(mean, var, count, -1, True, weight, bias, eta, *want_buffers, *args, True, True)
+    coef, sums = want[4], torch.stack([mean, var])
+    pairs = [*zip(got, want), *zip(got_buffers, want_buffers),
+             *zip(kernels.cbn_param_grads(mean, var, weight, bias, 0.5),
+                  _cbn_param_grads_composite(mean, var, weight, bias, 0.5)),
+             *zip(kernels.shift_slope(coef, sums), _shift_slope_composite(coef, sums))]
+    for i, (g, w) in enumerate(pairs):
+        if not torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6):
+            raise RuntimeError(f"the Triton kernels differ from the ATen composite here (output {i}: "
+                               f"{g.tolist()} instead of {w.tolist()})")
+
+
+@functools.lru_cache(maxsize=None)
+def _verdict(mode: str, device: torch.device) -> tuple[int, str]:
+    """This process's own vote for tensors on ``device``: ``(_OK, "")``, ``(_OFF, why)`` or
+    ``(_FAILED, error)`` — remembered per mode and device (one probe per process)."""
+    if mode not in _MODES:
+        return _FAILED, f"DISTNORM_TRITON={mode!r} is not one of {', '.join(_MODES)}"
+    kernels, why = _kernels_for(device)
+    if kernels is None:
+        return _OFF, why
+    try:
+        _probe(kernels, device)
+    except Exception as err:  # noqa: BLE001 - whatever Triton raises here is this rank's failure
+        return _FAILED, f"{type(err).__name__}: {err}"
+    return _OK, ""
+
+
+def _local_verdict(device: torch.device) -> tuple[int, str]:
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _verdict(_mode(), device)
+
+
+#: What each group agreed, per device type (a group keeps its answer for its lifetime; the
+#: group object is held, so a later group cannot reuse its id).
+_AGREED: dict[tuple[Any, str], TritonState] = {}
+
+
+def _failure(reason: str) -> RuntimeError:
+    return RuntimeError(
+        f"distnorm: the Triton kernels of the fused operators cannot run here: {reason.rstrip('.')}. Fix Triton "
+        "on this machine (it needs a C compiler and the CUDA driver library to build its launcher), or set "
+        "DISTNORM_TRITON=0 on every rank to run the ATen composite instead (the same values to about 1e-6, more "
+        "kernel launches).")
+
+
+def triton_vote(group: ProcessGroup | None, device: torch.device, channels: int) -> Optional[Tensor]:
+    """This rank's vote as a float64 ``[ok, failed]`` on ``device`` (``[0, 0]``: Triton not
+    wanted or not here), to be summed over ``group`` by the statistics' all-reduce of a layer
+    of ``channels`` channels; or ``None`` when there is nothing to agree or no room: no group,
+    the group agreed already for this device type, or fewer than 3 channels (the vote rides
+    on the counts, :func:`distnorm._collectives.global_moments`). Every rank of a group gets
+    ``None`` or a tensor at the same call — what decides it is the same on every rank."""
+    if group is None or channels < 3 or (group, device.type) in _AGREED:
         return None
-    return _triton
+    verdict = _local_verdict(device)[0]
+    return torch.tensor([verdict == _OK, verdict == _FAILED], dtype=torch.float64).to(device)
 
 
-_TRITON_FAILED: list[str] = []  # the first launch error, once one happened (then the composite only)
+def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Optional[Tensor] = None) -> bool:
+    """Whether the fused operators of a layer synchronizing over ``group`` run Triton on
+    ``device`` — the argument ``triton`` of :data:`cbn_plan`, :data:`cbn_param_grads` and
+    :data:`shift_slope`.
+
+    ``votes``: the sums of every rank's :func:`triton_vote`, right after the collective that
+    carried them; the group's answer is made and kept from them (raising on every rank when a
+    rank's Triton failed). Without ``votes``: the group's kept answer — the composite while
+    the group has not voted yet, on every rank alike — or, for ``group=None``, this process's
+    own (raising when its Triton failed).
+    """
+    if group is None:
+        verdict, reason = _local_verdict(device)
+        if verdict == _FAILED:
+            raise _failure(reason)
+        return verdict == _OK
+    if votes is None:
+        agreed = _AGREED.get((group, device.type))
+        return agreed is not None and agreed.used
+    ok, failed = (int(v) for v in votes.tolist())  # once per group and device type
+    size = _collectives.group_size(group)
+    if ok == size:
+        _AGREED[(group, device.type)] = TritonState(True, "")
+        return True
+    verdict, reason = _local_verdict(device)
+    if failed == 0 and ok == 0:  # nobody wanted Triton: nothing to report beyond this rank's reason
+        _AGREED[(group, device.type)] = TritonState(False, reason)
+        return False
+    # Some ranks differ: every rank knows it from the same sums, so every rank gathers who
+    # (one more collective, this step only) and raises or warns alike.
+    texts = _collectives.gather_texts(["ok", f"failed: {reason}", f"off: {reason}"][verdict], group)
+    listing = "\n".join(f"  rank {r}: {t}" for r, t in zip(_collectives.group_ranks(group), texts) if t != "ok")
+    if failed:
+        raise _failure(f"Triton failed on {failed} of the {size} ranks of the group:\n{listing}\n")
+    why = (f"the composite on all {size} ranks of the group: {size - ok} do not run Triton and every rank "
+           f"must compute alike:\n{listing}")
+    _AGREED[(group, device.type)] = TritonState(False, why)
+    if verdict == _OK:
+        warnings.warn(f"distnorm: the fused operators run {why}", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def triton_state(process_group: ProcessGroup | None = None, device: torch.device | str | None = None) -> TritonState:
+    """Whether the fused operators of layers synchronizing over ``process_group`` (default:
+    the default group; none when not distributed) run their Triton kernels on ``device``
+    (default: the current CUDA device, else the CPU), and why not.
+
+    Where the group has not agreed yet (before its first synchronized training step), the
+    answer is this process's own vote, which the group may still overrule with the
+    composite; probing it launches each kernel once. Never raises for a failed Triton: it is
+    the answer's reason.
+
+    Example:
+        >>> import torch
+        >>> from distnorm._fused import triton_state
+        >>> triton_state(device="cpu")
+        TritonState(used=False, reason="cpu tensors: the ATen composite is their kernel (DISTNORM_TRITON=interpret runs the Triton kernels in Triton's interpreter)")
+    """
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    group = _collectives.sync_group(process_group)
+    agreed = _AGREED.get((group, device.type)) if group is not None else None
+    if agreed is not None:
+        return agreed
+    verdict, reason = _local_verdict(device)
+    if verdict == _FAILED:
+        return TritonState(False, f"Triton failed here: {reason}")
+    return TritonState(verdict == _OK, reason)
 
 
 def triton_enabled() -> bool:
-    """Whether CUDA tensors take the Triton kernels (Triton importable, ``DISTNORM_TRITON``
-    not ``0``, no launch has failed in this process)."""
-    return (os.environ.get("DISTNORM_TRITON", "1") != "0" and not _TRITON_FAILED
-            and _triton_kernels() is not None)
+    """Whether this process, alone, would run the Triton kernels for CUDA tensors
+    (:func:`triton_state` says why not, and what a group agreed)."""
+    return torch.cuda.is_available() and triton_state(device="cuda").used
 
 
 def _on_one_device(first: Tensor, *others: Optional[Tensor]) -> bool:
@@ -224,30 +466,30 @@ def _on_one_device(first: Tensor, *others: Optional[Tensor]) -> bool:
     return all(t is None or t.device == first.device for t in others)
 
 
-def _triton_or_composite(name: str, triton_call: Callable[[], tuple], composite_call: Callable[[], tuple]) -> tuple:
-    """``triton_call()``; if Triton cannot compile or launch here (no C compiler or CUDA
-    driver library for its launcher, an unsupported GPU), warn once and use the composite from
-    then on. Such errors are raised on the host before the kernel runs, so no buffer was
-    written and the composite computes the same step."""
+def _launch(name: str, device: torch.device, call: Callable[[ModuleType], tuple]) -> tuple:
+    """``call(kernels)`` with the Triton kernels of ``device``. The group agreed on Triton
+    after each rank launched every kernel once, so an error here is one no probe could
+    foresee (a launch configuration of this step only): raised, never hidden by the
+    composite."""
+    kernels, why = _kernels_for(device)
+    if kernels is None:  # the environment changed after the group agreed
+        raise RuntimeError(f"distnorm::{name}: the group agreed on the Triton kernels, but this process has none now "
+                           f"({why}); DISTNORM_TRITON must not change during a run")
     try:
-        return triton_call()
-    except Exception as err:  # noqa: BLE001 - any launch failure: fall back, loudly
-        _TRITON_FAILED.append(f"{type(err).__name__}: {err}")
-        warnings.warn(f"distnorm: the Triton kernel of distnorm::{name} failed to launch ({_TRITON_FAILED[0]}); "
-                      "using the ATen composite for the fused operators from now on (same values to 1e-6, more "
-                      "launches). Set DISTNORM_TRITON=0 to choose the composite without trying Triton.",
-                      RuntimeWarning, stacklevel=2)
-        return composite_call()
+        return call(kernels)
+    except Exception as err:
+        raise RuntimeError(f"distnorm::{name}: the Triton kernel failed ({type(err).__name__}: {err}). Set "
+                           "DISTNORM_TRITON=0 on every rank to run the ATen composite instead.") from err
 
 
 _LIB = torch.library.Library("distnorm", "FRAGMENT")
 
 
-def _define(name: str, kernel: Callable, *, cuda: Callable, fake: Callable,
-            mutates_args: tuple[str, ...] = ()) -> torch._ops.OpOverload:
+def _define(name: str, kernel: Callable, *, fake: Callable, mutates_args: tuple[str, ...] = ()) -> torch._ops.OpOverload:
     """Declare ``distnorm::<name>`` with ``kernel``'s signature (its schema inferred, the
-    mutated arguments annotated) and register its kernels: ``kernel`` for every device
-    (``CompositeExplicitAutograd``), ``cuda`` for CUDA tensors, ``fake`` for ``torch.compile``.
+    mutated arguments annotated) and register ``kernel`` for every device
+    (``CompositeExplicitAutograd``: its last argument, ``triton``, picks the Triton kernel or
+    the composite) and ``fake`` for ``torch.compile``.
 
     Registered through :class:`torch.library.Library` rather than ``torch.library.custom_op``:
     the operators run with autograd off (inside the statistics step and the hand-written
@@ -257,7 +499,6 @@ def _define(name: str, kernel: Callable, *, cuda: Callable, fake: Callable,
     saves on a GPU. Returns the operator (``torch.ops.distnorm.<name>.default``)."""
     _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates_args))
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
-    _LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"distnorm::{name}", fake, lib=_LIB)
     return getattr(torch.ops.distnorm, name).default
 
@@ -265,52 +506,44 @@ def _define(name: str, kernel: Callable, *, cuda: Callable, fake: Callable,
 _CBN_BUFFERS = ("amat_mean", "amat_var", "amat_initialized", "running_mean", "running_var", "num_batches_tracked")
 
 
+# ------------------------------------------------------------------ distnorm::cbn_plan
+def _triton_takes_plan(mean: Tensor, count: Optional[Tensor], host_count: int, buffers: tuple[Tensor, ...],
+                       others: tuple[Tensor, ...]) -> bool:
+    """The Triton kernel's cases: float32 statistics and buffers, contiguous vectors, every
+    tensor on the statistics' device, and a host count only when the batch is valid (the
+    degenerate local case keeps the composite). The same answer on every rank of a group:
+    it reads shapes, dtypes and devices, which the ranks share."""
+    vectors = (mean, *buffers) + (() if count is None else (count,))
+    return (mean.dtype == torch.float32 and all(b.dtype == torch.float32 for b in buffers)
+            and all(v.is_contiguous() for v in vectors) and (count is not None or host_count > 1)
+            and _on_one_device(mean, count, *buffers, *others))
+
+
 def _cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], host_count: int, valid_known: bool,
-             weight: Tensor, bias: Tensor, eta: Tensor, amat_mean: Tensor, amat_var: Tensor,
-             amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor,
-             eps: float, momentum: Optional[float], rho: float, r_max: float, history: bool,
-             amat_ready: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused CBN statistics step (:func:`cbn_plan_composite` for the maths)."""
+              weight: Tensor, bias: Tensor, eta: Tensor, amat_mean: Tensor, amat_var: Tensor,
+              amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor,
+              eps: float, momentum: Optional[float], rho: float, r_max: float, history: bool,
+              amat_ready: bool, triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused CBN statistics step (:func:`cbn_plan_composite` for the maths); ``triton``:
+    the Triton kernel where it takes the case (:func:`triton_decision`)."""
+    if triton and _triton_takes_plan(mean, count, host_count, (amat_mean, amat_var, running_mean, running_var),
+                                     (var, weight, bias, eta, amat_initialized, num_batches_tracked)):
+        return _launch("cbn_plan", mean.device, lambda k: k.cbn_plan(
+            mean, var, count, host_count, weight.contiguous(), bias.contiguous(), eta, amat_mean, amat_var,
+            amat_initialized, running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max, history))
     return cbn_plan_composite(mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var,
                               amat_initialized, running_mean, running_var, num_batches_tracked, eps, momentum,
                               rho, r_max, history, amat_ready)
 
 
-def _triton_takes_plan(mean: Tensor, count: Optional[Tensor], host_count: int, buffers: tuple[Tensor, ...],
-                       others: tuple[Tensor, ...]) -> bool:
-    """The Triton kernel's cases: float32 statistics and buffers, contiguous vectors, every
-    tensor on the statistics' device, and a host count only when the batch is valid (the
-    degenerate local case keeps the composite)."""
-    vectors = (mean, *buffers) + (() if count is None else (count,))
-    return (mean.dtype == torch.float32 and all(b.dtype == torch.float32 for b in buffers)
-            and all(v.is_contiguous() for v in vectors) and (count is not None or host_count > 1)
-            and _on_one_device(mean, count, *buffers, *others) and triton_enabled())
-
-
-def _cbn_plan_cuda(mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var,
-                   amat_initialized, running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max,
-                   history, amat_ready):
-    args = (mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var, amat_initialized,
-            running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max, history, amat_ready)
-    if not _triton_takes_plan(mean, count, host_count, (amat_mean, amat_var, running_mean, running_var),
-                              (var, weight, bias, eta, amat_initialized, num_batches_tracked)):
-        return cbn_plan_composite(*args)
-    return _triton_or_composite(
-        "cbn_plan",
-        lambda: _triton_kernels().cbn_plan(mean, var, count, host_count, weight.contiguous(), bias.contiguous(), eta,
-                                           amat_mean, amat_var, amat_initialized, running_mean, running_var,
-                                           num_batches_tracked, eps, momentum, rho, r_max, history),
-        lambda: cbn_plan_composite(*args))
-
-
 def _cbn_plan_fake(mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var,
                    amat_initialized, running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max,
-                   history, amat_ready):
+                   history, amat_ready, triton):
     channels = mean.shape[0]
     return (*(mean.new_empty(channels) for _ in range(4)), mean.new_empty(2, 2, channels), mean.new_empty(channels))
 
 
-cbn_plan = _define("cbn_plan", _cbn_plan, cuda=_cbn_plan_cuda, fake=_cbn_plan_fake, mutates_args=_CBN_BUFFERS)
+cbn_plan = _define("cbn_plan", _cbn_plan, fake=_cbn_plan_fake, mutates_args=_CBN_BUFFERS)
 
 
 # --------------------------------------------------------- distnorm::cbn_param_grads
@@ -326,27 +559,20 @@ def _cbn_param_grads_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_sc
     return sums, t * inv_rho, grad_bias
 
 
-def _cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor,
-                    inv_rho: float) -> tuple[Tensor, Tensor, Tensor]:
+def _cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, inv_rho: float,
+                     triton: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The fused backward's local step (:func:`_cbn_param_grads_composite`)."""
+    if triton and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale):
+        return _launch("cbn_param_grads", s1.device, lambda k: k.cbn_param_grads(
+            s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), inv_rho))
     return _cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
 
 
-def _cbn_param_grads_cuda(s1, t, beta_coef, grad_scale, inv_rho):
-    if s1.dtype != torch.float32 or not _on_one_device(s1, t, beta_coef, grad_scale) or not triton_enabled():
-        return _cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
-    return _triton_or_composite(
-        "cbn_param_grads",
-        lambda: _triton_kernels().cbn_param_grads(s1.contiguous(), t.contiguous(), beta_coef.contiguous(),
-                                                  grad_scale.contiguous(), inv_rho),
-        lambda: _cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho))
-
-
-def _cbn_param_grads_fake(s1, t, beta_coef, grad_scale, inv_rho):
+def _cbn_param_grads_fake(s1, t, beta_coef, grad_scale, inv_rho, triton):
     return s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1)
 
 
-cbn_param_grads = _define("cbn_param_grads", _cbn_param_grads, cuda=_cbn_param_grads_cuda, fake=_cbn_param_grads_fake)
+cbn_param_grads = _define("cbn_param_grads", _cbn_param_grads, fake=_cbn_param_grads_fake)
 
 
 # ------------------------------------------------------------- distnorm::shift_slope
@@ -356,22 +582,16 @@ def _shift_slope_composite(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Ten
     return shift, slope.clone()  # outputs of an operator may not share storage
 
 
-def _shift_slope(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
+def _shift_slope(grad_coef: Tensor, sums: Tensor, triton: bool) -> tuple[Tensor, Tensor]:
     """The fused backward's global step (:func:`_shift_slope_composite`)."""
+    if triton and sums.dtype == torch.float32 and _on_one_device(sums, grad_coef):
+        return _launch("shift_slope", sums.device,
+                       lambda k: k.shift_slope(grad_coef.contiguous(), sums.contiguous()))
     return _shift_slope_composite(grad_coef, sums)
 
 
-def _shift_slope_cuda(grad_coef, sums):
-    if sums.dtype != torch.float32 or not _on_one_device(sums, grad_coef) or not triton_enabled():
-        return _shift_slope_composite(grad_coef, sums)
-    return _triton_or_composite(
-        "shift_slope",
-        lambda: _triton_kernels().shift_slope(grad_coef.contiguous(), sums.contiguous()),
-        lambda: _shift_slope_composite(grad_coef, sums))
-
-
-def _shift_slope_fake(grad_coef, sums):
+def _shift_slope_fake(grad_coef, sums, triton):
     return sums.new_empty(sums.shape[1]), sums.new_empty(sums.shape[1])
 
 
-shift_slope = _define("shift_slope", _shift_slope, cuda=_shift_slope_cuda, fake=_shift_slope_fake)
+shift_slope = _define("shift_slope", _shift_slope, fake=_shift_slope_fake)

@@ -13,7 +13,6 @@ This module imports Triton; :mod:`distnorm._fused` imports it only where a CUDA 
 meets a supported case, so a machine without Triton never loads it.
 """
 
-from __future__ import annotations
 
 import contextlib
 

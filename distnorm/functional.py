@@ -28,8 +28,15 @@ from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EV
 __all__ = ["CBNBuffers", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "pop_norm", "sync_batch_norm"]
 
 
-def amat_eta(lr: float, omega: float) -> float:
-    """AMAT's history weight ``eta = clip(1 - omega * lr, 0, 1)`` (paper 002, Eq. 9)."""
+def amat_eta(lr: float | torch.Tensor, omega: float) -> float | torch.Tensor:
+    """AMAT's history weight ``eta = clip(1 - omega * lr, 0, 1)`` (paper 002, Eq. 9).
+
+    A tensor ``lr`` (capturable and fused optimizers keep the learning rate as a tensor on
+    the device) gives a float64 0-dim tensor on its device, computed there without reading
+    it on the host, and to the bit what the float formula gives for the same value.
+    """
+    if isinstance(lr, torch.Tensor):
+        return torch.clamp(1.0 - omega * lr.detach().reshape(()).double(), 0.0, 1.0)
     return min(max(1.0 - omega * lr, 0.0), 1.0)
 
 

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from distnorm import _ops
+from distnorm import _debug, _ops
 from distnorm import functional  # not torch.nn.functional: distnorm's own
 from distnorm._collectives import ProcessGroup
 from distnorm._functions import CBNBuffers, NormState
+from distnorm._recompute import Stash
 from distnorm.specs import EPS, MOMENTUM, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec, register_builder
 
-__all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "name_layers"]
+__all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "set_lrs", "name_layers"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _warned_no_lr = False  # one warning per process, not one per layer
@@ -59,7 +60,7 @@ class _DistNormLayer(nn.Module):
     process_group = _state_field("process_group", "group to synchronize over (None: the default group)")
 
     def _init_state(self, kind: str, **fields: Any) -> None:
-        self._state = NormState(kind, f"{type(self).__name__}({self.num_features})", **fields)
+        self._state = NormState(kind, f"{type(self).__name__}({self.num_features})", stash=Stash(), **fields)
         _ops.register(self._state)
 
     @property
@@ -156,26 +157,41 @@ class _CompleteNorm(_DistNormLayer):
         nn.init.ones_(self.weight)
         nn.init.zeros_(self.bias)
 
-    def set_lr(self, lr: float) -> None:
+    def set_lr(self, lr: float | torch.Tensor) -> None:
         """Tell AMAT the learning rate the optimizer applies at the current step.
 
         Call it before each training forward (``distnorm.set_lr(model, lr)`` does it for
         every layer). ``eta = clip(1 - omega * lr, 0, 1)``.
+
+        ``lr`` may be a one-element tensor (capturable / fused optimizers keep it on the
+        device): ``eta`` is then computed on the device, never read on the host, and the
+        layer takes AMAT's history path whatever its value (for ``eta = 0`` that path gives
+        the batch statistics, as the other does). Its value is checked only in debug mode
+        (:func:`distnorm.debug`), which reads it.
         """
-        lr = float(lr)
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"{self._layer_name()}: learning rate must be finite and >= 0, got {lr!r}")
+        lr = _checked_lr(lr, self._layer_name())
         self.lr = lr
-        eta = self.eta
-        self.amat_eta.fill_(eta)
-        self._state.history = eta > 0.0
+        if isinstance(lr, torch.Tensor) and self.amat:
+            self._set_eta(functional.amat_eta(lr, self.omega))
+        else:
+            self._set_eta(self.eta)
+
+    def _set_eta(self, eta: float | torch.Tensor) -> None:
+        """``amat_eta`` and the host's knowledge of it (a tensor: unknown, so history)."""
+        if isinstance(eta, torch.Tensor):
+            self.amat_eta.copy_(eta)
+            self._state.history = True
+        else:
+            self.amat_eta.fill_(eta)
+            self._state.history = eta > 0.0
 
     @property
     def eta(self) -> float:
-        """AMAT's weight on history for the current learning rate (0 without AMAT)."""
+        """AMAT's weight on history for the current learning rate (0 without AMAT). For a
+        tensor learning rate this reads it on the host."""
         if not self.amat or self.lr is None:
             return 0.0
-        return functional.amat_eta(self.lr, self.omega)
+        return float(functional.amat_eta(self.lr, self.omega))
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
@@ -413,7 +429,41 @@ def name_layers(model: nn.Module) -> int:
     return count
 
 
-def set_lr(model: nn.Module, lr: float) -> int:
+def _checked_lr(lr: float | torch.Tensor, owner: str) -> float | torch.Tensor:
+    """``lr`` as a float, or a tensor learning rate as it is (read on the host only in debug
+    mode); a bad one raises naming ``owner``."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"{owner}: a tensor learning rate must hold one floating-point value, got "
+                             f"shape {tuple(lr.shape)} and dtype {lr.dtype}")
+        if not _debug.is_debug():
+            return lr
+        value = float(lr)  # debug mode: the check costs a host synchronisation
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{owner}: learning rate must be finite and >= 0, got the tensor value {value!r}")
+        return lr
+    value = float(lr)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}: learning rate must be finite and >= 0, got {lr!r}")
+    return value
+
+
+def set_lrs(layers: list["_CompleteNorm"], lrs: list[float | torch.Tensor]) -> None:
+    """``layer.set_lr(lr)`` for each pair; a tensor learning rate shared by several layers of
+    one ``omega`` gives one ``eta`` computation on its device, copied into each layer."""
+    etas: dict[tuple[int, float], torch.Tensor] = {}
+    for layer, lr in zip(layers, lrs):
+        if not isinstance(lr, torch.Tensor) or not layer.amat:
+            layer.set_lr(lr)
+            continue
+        key = (id(lr), layer.omega)
+        if key not in etas:
+            etas[key] = functional.amat_eta(_checked_lr(lr, layer._layer_name()), layer.omega)
+        layer.lr = lr
+        layer._set_eta(etas[key])
+
+
+def set_lr(model: nn.Module, lr: float | torch.Tensor) -> int:
     """Give every AMAT layer in ``model`` the learning rate of the current step.
 
     Pass the learning rate the optimizer applies at this step (after warm-up and
@@ -421,7 +471,8 @@ def set_lr(model: nn.Module, lr: float) -> int:
 
     Args:
         model: any module (a DDP / engine wrapper included).
-        lr: learning rate, finite and >= 0.
+        lr: learning rate, finite and >= 0: a float, or a one-element tensor (read on the
+            device only; see :meth:`CBN.set_lr`).
 
     Returns:
         The number of AMAT layers updated.
@@ -432,18 +483,16 @@ def set_lr(model: nn.Module, lr: float) -> int:
         >>> distnorm.set_lr(model, 0.05)
         1
     """
-    lr = float(lr)
-    if not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"distnorm.set_lr: learning rate must be finite and >= 0, got {lr!r}")
-    count = 0
+    lr = _checked_lr(lr, "distnorm.set_lr")
+    layers = []
     for name, module in model.named_modules():
         if isinstance(module, _CompleteNorm):
             if not module._named:
                 module._distnorm_name = f"{type(module).__name__} '{name or '<root>'}'"
             if module.amat:
-                module.set_lr(lr)
-                count += 1
-    return count
+                layers.append(module)
+    set_lrs(layers, [lr] * len(layers))
+    return len(layers)
 
 
 # --------------------------------------------------------------- building from a spec

@@ -1,6 +1,11 @@
 """Theory monitors: the quantities papers 002 and 003 reason about, measured during training.
 
-Off by default and free when off (a layer's ``stats_sink`` is ``None``). When a
+Off by default and free when off (a layer's ``stats_sink`` is ``None``). When on, a layer
+puts references to its fused operator's inputs and outputs in the sink — the batch mean and
+variance, the plan's ``center = mu_U - beta`` — at no cost and without computing anything
+itself, so a rank with a monitor runs exactly the arithmetic of the others (monitors usually
+live on one rank; the layers' buffers must stay bit-identical on all of them). The monitor
+derives what it records from those, in float64, when it records. When a
 :class:`TheoryMonitor` is attached it records, every ``every`` steps:
 
 * per CBN / POP-Norm layer, quantiles over channels of
@@ -34,7 +39,7 @@ from torch import nn
 from distnorm.convert import linear_batchnorm_pairs
 from distnorm.layers import CBN, POPNorm
 
-__all__ = ["TheoryMonitor"]
+__all__ = ["TheoryMonitor", "batch_statistics"]
 
 QUANTILES = (0.05, 0.5, 0.95)
 
@@ -42,6 +47,24 @@ QUANTILES = (0.05, 0.5, 0.95)
 def _scale_invariant_weights(model: nn.Module) -> list[str]:
     """Conv / linear layers whose output goes straight into a BatchNorm (found by torch.fx)."""
     return [op for op, _ in linear_batchnorm_pairs(model)]
+
+
+def batch_statistics(layer: CBN | POPNorm) -> dict[str, torch.Tensor] | None:
+    """The last training batch's statistics of a monitored layer, in float64, or ``None``
+    before its first training step (or without a monitor):
+
+    * ``mean``: the batch mean ``mu_B``;
+    * ``amat_mean``: ``mu_U`` (``mu_B`` without history), which the layer kept as its AMAT mean;
+    * ``sigma``: ``sqrt(var_B + eps)``, with ``var_B = var(x) + d^2`` the second moment of
+      ``x1 = x - mu_U + beta`` and ``d = mu_B - mu_U + beta = mu_B - center``.
+    """
+    sink = layer.stats_sink
+    if not sink or "mean" not in sink:
+        return None
+    mean, var, center = (sink[k].detach().double() for k in ("mean", "var", "center"))
+    d = mean - center
+    return {"mean": mean, "amat_mean": layer.amat_mean.detach().double(),
+            "sigma": torch.sqrt(var + d * d + sink["eps"])}
 
 
 class TheoryMonitor:
@@ -95,14 +118,14 @@ class TheoryMonitor:
             return []
         out = []
         for name, layer in self.norm_layers.items():
-            stats = layer.stats_sink or {}
-            if "mean" not in stats:
+            stats = batch_statistics(layer)
+            if stats is None:
                 continue
             beta, gamma = layer.bias.detach().double(), layer.weight.detach().double()
-            expectation = stats["amat_mean"].double()
+            expectation = stats["amat_mean"]
             safe = torch.where(expectation.abs() > 1e-12, expectation, torch.full_like(expectation, float("nan")))
-            eta = ((stats["mean"].double() - beta) / safe)
-            tau = gamma / (layer.rho * stats["sigma"].double())
+            eta = (stats["mean"] - beta) / safe
+            tau = gamma / (layer.rho * stats["sigma"])
             record = {"step": step, "layer": name}
             for label, values in (("eta", eta), ("tau", tau)):
                 values = values[torch.isfinite(values)]
@@ -120,7 +143,9 @@ class TheoryMonitor:
             variance = sum((m2 - m1 * m1).clamp_min(0).sum() for m1, m2 in zip(self._m1, self._m2))
             model_record["grad_variance"] = float(variance) / max(numel, 1)
             model_record["grad_norm"] = getattr(self, "_last_grad_norm", float("nan"))
-        model_record["weight_norm"] = float(torch.sqrt(sum((w.detach().float() ** 2).sum() for w in self.weights.values())))
+        zero = torch.zeros(())  # the start of the sums: a model may have no conv / linear weight
+        model_record["weight_norm"] = float(torch.sqrt(sum(((w.detach().float() ** 2).sum() for w in self.weights.values()),
+                                                           zero)))
         if self.invariant:
             model_record["weight_norm_scale_invariant"] = float(
                 torch.sqrt(sum((w.detach().float() ** 2).sum() for w in self.invariant)))

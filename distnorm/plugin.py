@@ -41,7 +41,7 @@ from distnorm._wrappers import fsdp_flat
 from distnorm.config import OFF, DistNormConfig
 from distnorm.consistency import check_consistency, consistent_tensors
 from distnorm.convert import convert
-from distnorm.layers import _CompleteNorm, _DistNormLayer
+from distnorm.layers import _CompleteNorm, _DistNormLayer, set_lrs
 
 __all__ = ["DistNormPlugin", "ddp_kwargs", "buffer_broadcast_needed", "unsynchronized_running_stats"]
 
@@ -229,8 +229,8 @@ class DistNormPlugin:
             index = [where.get(id(m.weight), 0) for m in self.amat_layers]
             self._lr_of_layer = lambda: [source.param_groups[i]["lr"] for i in index]
             self.optimizer = source
-        elif callable(source):
-            self._lr_of_layer = lambda: [float(source())] * len(self.amat_layers)
+        elif callable(source):  # a float, or a tensor the layers read on the device (no host sync)
+            self._lr_of_layer = lambda: [source()] * len(self.amat_layers)
         else:
             raise TypeError(
                 f"DistNormPlugin.follow(): expected an optimizer, a DeepSpeed engine or a callable returning "
@@ -261,8 +261,9 @@ class DistNormPlugin:
             self._resync = False
             self.sync_buffers()
         if self._lr_of_layer is not None:
-            for layer, lr in zip(self.amat_layers, self._lr_of_layer()):
-                layer.set_lr(lr)
+            # As the optimizer holds it: a float, or a tensor (capturable / fused optimizers),
+            # which set_lrs turns into eta on the device, without reading it on the host.
+            set_lrs(self.amat_layers, self._lr_of_layer())
         elif self.amat_layers and self.training_forwards == 0:
             warnings.warn(
                 "distnorm: AMAT layers have no learning-rate source; call plugin.follow(optimizer) "

@@ -1,21 +1,26 @@
 """The fused per-channel operators (``distnorm::cbn_plan``, ``cbn_param_grads``,
 ``shift_slope``; :mod:`distnorm._fused`): their Triton kernels (the CUDA path) equal the
 ATen composite (the CPU path, itself checked against float64 references in
-``test_layers.py``), and the operators are well-formed for ``torch.compile``.
+``test_layers.py``), a Triton that cannot run is an error, not a quiet fallback, and the
+operators are well-formed for ``torch.compile``.
 
 The Triton kernels run here through Triton's interpreter on CPU tensors (a second copy of
-``distnorm/_triton.py`` loaded with ``TRITON_INTERPRET=1``); on a GPU, the same comparison
-runs compiled (``make test-gpu``).
+``distnorm/_triton.py`` loaded with ``TRITON_INTERPRET=1``: :func:`distnorm._fused.interpreted_kernels`);
+on a GPU, the same comparison runs compiled (``make test-gpu``). The group's agreement on
+the kernels (every rank takes the same path) is tested with real ranks in
+``test_layers_distributed.py``.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+import distnorm
 from distnorm import _fused
 
 C = 70  # not a power of two: the last block is partial
@@ -50,6 +55,11 @@ def _plan_args(*, history, device_count=False, masked=False, initialized=True, m
     return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def _op_args(args: tuple, triton: bool) -> tuple:
+    """The operator's arguments: the composite's and ``triton`` (which implementation runs)."""
+    return (*args, triton)
+
+
 def _clone(args: tuple) -> tuple:
     return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
@@ -69,13 +79,7 @@ def interpreted():
     run by Triton's interpreter on CPU tensors."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton (installed with torch on Linux)")
-    path = Path(_fused.__file__).with_name("_triton.py")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        spec = importlib.util.spec_from_file_location("distnorm_triton_interpreted", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
+    return _fused.interpreted_kernels()
 
 
 def _run_plan_kernel(triton_module, args: tuple) -> tuple:
@@ -104,23 +108,105 @@ def test_triton_backward_kernels_equal_composite(interpreted):
     g = torch.Generator().manual_seed(1)
     s1, t, beta_coef, a = (torch.randn(C, generator=g) for _ in range(4))
     _assert_close(interpreted.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, kernels=interpreted.KERNELS),
-                  torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5))
+                  torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, False))
     coef, sums = torch.randn(2, 2, C, generator=g), torch.randn(2, C, generator=g)
     _assert_close(interpreted.shift_slope(coef, sums, kernels=interpreted.KERNELS),
-                  torch.ops.distnorm.shift_slope(coef, sums))
+                  torch.ops.distnorm.shift_slope(coef, sums, False))
 
 
-def test_a_triton_launch_failure_falls_back_to_the_composite_once_and_for_all(monkeypatch):
-    """Bug caught: a Triton that imports but cannot build its launcher or compile here (no C
-    compiler, no libcuda for it, an unsupported GPU) crashing the first training step."""
-    monkeypatch.setattr(_fused, "_TRITON_FAILED", [])
+@pytest.fixture
+def fresh_verdicts():
+    """This process's Triton verdicts forgotten before and after (they are kept per mode and
+    device for the life of a process)."""
+    _fused._verdict.cache_clear()
+    yield
+    _fused._verdict.cache_clear()
 
-    def launch():
-        raise RuntimeError("Failed to find C compiler")
 
-    with pytest.warns(RuntimeWarning, match="distnorm::cbn_plan failed to launch .*Failed to find C compiler"):
-        assert _fused._triton_or_composite("cbn_plan", launch, lambda: ("composite",)) == ("composite",)
-    assert not _fused.triton_enabled()  # from now on: the composite, without trying again
+def _cbn_step(layer: torch.nn.Module, step: int) -> torch.Tensor:
+    x = torch.randn(16, 6, 3, 3, generator=torch.Generator().manual_seed(step)).requires_grad_()
+    layer(x).square().sum().backward()
+    return x.grad
+
+
+def test_a_triton_that_cannot_run_is_an_error_not_a_fallback(monkeypatch, fresh_verdicts):
+    """A Triton that imports but cannot launch its kernels (no C compiler or CUDA driver for
+    its launcher, an unsupported GPU) raises at the first step, naming the cure; before,
+    the operators warned once and ran the composite, so a CUDA test compared the composite
+    with itself and the step benchmark published the composite's timings as Triton's.
+
+    The failure is a real one: Triton's compiled kernels (``distnorm._triton``) handed CPU
+    tensors on a machine without a GPU driver, in place of the interpreted copy."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("DISTNORM_TRITON", "interpret")
+    monkeypatch.setattr(_fused, "interpreted_kernels", lambda: importlib.import_module("distnorm._triton"))
+    layer = distnorm.CBN(6)
+    distnorm.set_lr(layer, 0.01)
+    with pytest.raises(RuntimeError, match=r"cannot run here: .*DISTNORM_TRITON=0 on every rank"):
+        _cbn_step(layer, 0)
+    state = _fused.triton_state(device="cpu")
+    assert not state.used and state.reason.startswith("Triton failed here: ")
+    assert int(layer.num_batches_tracked) == 0  # raised before the step changed anything
+    with pytest.raises(RuntimeError, match="cannot run here"):  # and again: no switch to the composite
+        _cbn_step(layer, 1)
+
+
+def test_kernels_that_compute_something_else_here_are_refused(tmp_path, monkeypatch, fresh_verdicts):
+    """Each rank launches every kernel once before its group agrees on Triton, and compares
+    it with the composite: a Triton whose kernels build but compute something else there
+    (the kernels ran only under a newer Triton's interpreter before the CUDA image's Triton
+    compiled them) is refused like one that cannot build. The kernels here: this module's
+    with the output scale 1 % off (a real Triton kernel, run by the interpreter)."""
+    pytest.importorskip("triton")
+    source = Path(_fused.__file__).with_name("_triton.py").read_text()
+    assert source.count("        a = invstd * gamma\n") == 1
+    (tmp_path / "_triton.py").write_text(source.replace("        a = invstd * gamma\n", "        a = invstd * gamma * 1.01\n"))
+    off = _fused.load_interpreted(tmp_path / "_triton.py", "distnorm_triton_off_by_one_percent")
+    monkeypatch.setenv("DISTNORM_TRITON", "interpret")
+    monkeypatch.setattr(_fused, "interpreted_kernels", lambda: off)
+    layer = distnorm.CBN(6)
+    distnorm.set_lr(layer, 0.01)
+    with pytest.raises(RuntimeError, match=r"cannot run here: RuntimeError: the Triton kernels differ from the ATen "
+                                           r"composite here \(output 3"):
+        _cbn_step(layer, 0)
+
+
+def test_triton_state_says_which_kernels_run_and_why(monkeypatch, fresh_verdicts):
+    """What the GPU report prints (:func:`distnorm._fused.triton_state`). Bug caught: a
+    setting that is not understood (``DISTNORM_TRITON=off``) taken for the default."""
+    assert _fused.triton_state(device="cpu") == (False, _fused._kernels_for(torch.device("cpu"))[1])
+    assert "cpu tensors" in _fused.triton_state(device="cpu").reason
+    monkeypatch.setenv("DISTNORM_TRITON", "0")
+    assert _fused.triton_state(device="cpu") == (False, "DISTNORM_TRITON=0")
+    monkeypatch.setenv("DISTNORM_TRITON", "off")
+    state = _fused.triton_state(device="cpu")
+    assert not state.used and "DISTNORM_TRITON='off' is not one of 1, 0, interpret" in state.reason
+    with pytest.raises(RuntimeError, match="DISTNORM_TRITON='off' is not one of"):
+        _cbn_step(distnorm.POPNorm(6), 0)
+    if importlib.util.find_spec("triton") is not None:
+        monkeypatch.setenv("DISTNORM_TRITON", "interpret")
+        assert _fused.triton_state(device="cpu") == (True, "")
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_layers_through_the_interpreted_kernels_equal_the_composite(interpreted, monkeypatch, fresh_verdicts):
+    """``DISTNORM_TRITON=interpret``: CBN and POP-Norm training steps whose fused operators run
+    the Triton kernels (forward and backward) give the composite's outputs, gradients and
+    buffers, across AMAT's phases (eta 0, 0.5, 0.9)."""
+    torch.manual_seed(0)
+    layers = [distnorm.CBN(6, rho=1.5), distnorm.POPNorm(6)]
+    composite = [distnorm.CBN(6, rho=1.5), distnorm.POPNorm(6)]
+    results = {}
+    for mode, group in (("0", composite), ("interpret", layers)):
+        monkeypatch.setenv("DISTNORM_TRITON", mode)
+        results[mode] = []
+        for step, lr in enumerate([0.2, 0.05, 0.01, 0.01]):
+            for layer in group:
+                distnorm.set_lr(layer, lr)
+                results[mode].append(_cbn_step(layer, step))
+        results[mode] += [b for layer in group for b in layer.buffers()]
+    assert _fused.triton_decision(None, torch.device("cpu"))  # the interpreted kernels ran
+    _assert_close(results["interpret"], results["0"])
 
 
 def test_triton_takes_only_tensors_on_the_statistics_device():
@@ -137,28 +223,30 @@ def test_operators_are_well_formed_for_torch_compile():
     """``torch.library.opcheck``: schema and declared mutations, fake kernels (shapes for
     ``torch.compile``), no autograd registration needed (they run under no_grad)."""
     for case in ("history", "device_count"):
-        torch.library.opcheck(torch.ops.distnorm.cbn_plan.default, _plan_args(**CASES[case]))
+        torch.library.opcheck(torch.ops.distnorm.cbn_plan.default, _op_args(_plan_args(**CASES[case]), False))
     s1, t = torch.randn(C), torch.randn(C)
-    torch.library.opcheck(torch.ops.distnorm.cbn_param_grads.default, (s1, t, torch.randn(C), torch.rand(C), 0.5))
-    torch.library.opcheck(torch.ops.distnorm.shift_slope.default, (torch.randn(2, 2, C), torch.randn(2, C)))
+    torch.library.opcheck(torch.ops.distnorm.cbn_param_grads.default,
+                          (s1, t, torch.randn(C), torch.rand(C), 0.5, False))
+    torch.library.opcheck(torch.ops.distnorm.shift_slope.default, (torch.randn(2, 2, C), torch.randn(2, C), False))
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_fused_operators_equal_composite(case):
-    """On a GPU: the compiled Triton kernels (the operators' CUDA path) against the composite
+    """On a GPU: the compiled Triton kernels (the operators with ``triton=True``, which raise
+    where Triton cannot run: no quiet fallback to compare with itself) against the composite
     on the same CUDA tensors."""
-    if not _fused.triton_enabled():
-        pytest.skip("Triton kernels not enabled on this machine (no triton, or DISTNORM_TRITON=0)")
+    if not _fused.triton_state(device="cuda").used:
+        pytest.skip(f"Triton kernels do not run here: {_fused.triton_state(device='cuda').reason}")
     args = _plan_args(**CASES[case], device="cuda")
     composite_args, op_args = _clone(args), _clone(args)
     want = _fused.cbn_plan_composite(*composite_args)
-    got = torch.ops.distnorm.cbn_plan(*op_args)
+    got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, True))
     _assert_close([x.cpu() for x in list(got) + list(op_args[8:14])],
                   [x.cpu() for x in list(want) + list(composite_args[8:14])])
     s1, t, beta_coef, a = (torch.randn(C, device="cuda") for _ in range(4))
-    _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 0.5),
+    _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 0.5, True),
                   _fused._cbn_param_grads_composite(s1, t, beta_coef, a, 0.5))
     coef, sums = torch.randn(2, 2, C, device="cuda"), torch.randn(2, C, device="cuda")
-    _assert_close(torch.ops.distnorm.shift_slope(coef, sums), _fused._shift_slope_composite(coef, sums))
+    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, True), _fused._shift_slope_composite(coef, sums))

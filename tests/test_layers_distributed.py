@@ -251,7 +251,7 @@ def test_one_collective_forward_one_backward(tmp_path):
     for rank, counts in enumerate(per_rank):
         for name in ("CBN", "POPNorm", "SyncBatchNorm"):
             phases = counts[name]
-            for phase in ("first", "amat_initialised"):
+            for phase in ("first", "amat_initialised"):  # "first" of CBN: the group's vote rides along
                 assert phases[phase] == (FORWARD, BACKWARD), (rank, name, phase, phases[phase])
             assert phases["input_needs_no_grad"] == (FORWARD, []), (rank, name, phases["input_needs_no_grad"])
             assert phases["eval"] == ([], []), (rank, name)
@@ -259,3 +259,106 @@ def test_one_collective_forward_one_backward(tmp_path):
         for phase in ("first", "amat_initialised", "input_needs_no_grad"):
             assert counts["BNP"][phase] == (FORWARD, []), (rank, phase, counts["BNP"][phase])
         assert counts["BNP"]["eval"] == ([], [])
+
+
+# ------------------------------------------------- every rank takes the same arithmetic path
+def _arithmetic_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1), nn.Tanh(), distnorm.CBN(64, rho=1.5),
+        nn.Conv2d(64, 48, 3, padding=1), distnorm.SyncBatchNorm(48), nn.ReLU(),
+        distnorm.POPNorm(48), nn.Conv2d(48, 4, 1), nn.Flatten(), nn.Linear(4 * 6 * 6, 3),
+    )
+
+
+ARITHMETIC_LRS = [0.2, 0.2, 0.05, 0.02, 0.01, 0.01, 0.005, 0.2, 0.01, 0.002]  # eta 0, 0.5, ..., 0.98
+
+
+def _same_arithmetic_worker(rank, world, modes, monitor_rank=None, break_rank=None):
+    """Train the small CNN under DDP with this rank's ``DISTNORM_TRITON``; the theory
+    monitor on ``monitor_rank`` only; ``break_rank``'s Triton a real one that cannot run
+    here (Triton's compiled kernels on CPU tensors, no GPU driver) in place of the
+    interpreter. Returns the buffers, what this rank ran, its warnings and records — or the
+    error it raised, for the ranks that must raise."""
+    import importlib
+    import os
+    import warnings
+
+    from distnorm import _fused
+    from distnorm.monitors import TheoryMonitor
+
+    os.environ["DISTNORM_TRITON"] = modes[rank]
+    if rank == break_rank:
+        _fused.interpreted_kernels = lambda: importlib.import_module("distnorm._triton")
+    model = _arithmetic_model()
+    ddp = nn.parallel.DistributedDataParallel(model, **distnorm.ddp_kwargs())
+    monitor = TheoryMonitor(model, every=2) if rank == monitor_rank else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    records = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, lr in enumerate(ARITHMETIC_LRS):
+            x = torch.randn(8 * world, 3, 6, 6, generator=torch.Generator().manual_seed(step)) + 0.3
+            distnorm.set_lr(model, lr)
+            opt.zero_grad()
+            try:
+                ddp(x[8 * rank:8 * (rank + 1)]).square().mean().backward()
+            except RuntimeError as err:
+                if break_rank is None:
+                    raise
+                return {"error": str(err)}
+            if monitor is not None:
+                monitor.after_backward(step)
+                records += monitor.records(step)
+            opt.step()
+    return {"buffers": _buffers(model), "state": tuple(_fused.triton_state()), "records": records,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(300)
+def test_a_monitored_rank_runs_the_arithmetic_of_the_others(tmp_path):
+    """Both ranks' fused operators through Triton's kernels (the interpreter standing in for
+    the GPU), the theory monitor on rank 0 only: after ten steps across AMAT's phases every
+    buffer is bit-identical on both ranks. Bug caught: the monitor's statistics sink sent
+    its rank's layers through the ATen composite while the other ranks ran Triton (not
+    bit-identical: a multi-GPU run with monitors failed its consistency check at forward
+    200 with InconsistentStateError)."""
+    pytest.importorskip("triton")
+    r0, r1 = run_distributed(_same_arithmetic_worker, 2, tmp_path, ("interpret", "interpret"), 0, timeout=240)
+    assert r0["state"] == r1["state"] == (True, "")  # the fused operators ran the Triton kernels
+    _assert_bit_identical([r0["buffers"], r1["buffers"]])
+    assert len(r0["records"]) == 5 * 3 and r1["records"] == []  # 5 recording steps x (CBN, POP-Norm, model)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(300)
+def test_ranks_that_differ_on_triton_agree_on_the_composite(tmp_path):
+    """One rank would run Triton, the other has ``DISTNORM_TRITON=0``: the group agrees, at
+    its first step and in the collective it issues anyway, on the composite for both (rank 0
+    warns, naming rank 1), and their buffers stay bit-identical. Bug caught: each process
+    choosing its kernels alone (a per-process Triton fallback does the same)."""
+    pytest.importorskip("triton")
+    r0, r1 = run_distributed(_same_arithmetic_worker, 2, tmp_path, ("interpret", "0"), timeout=240)
+    for r in (r0, r1):
+        assert not r["state"][0] and "rank 1: off: DISTNORM_TRITON=0" in r["state"][1], r["state"]
+    assert len(r0["warnings"]) == 1 and "the composite on all 2 ranks" in r0["warnings"][0], r0["warnings"]
+    assert r1["warnings"] == []
+    _assert_bit_identical([r0["buffers"], r1["buffers"]])
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(300)
+def test_a_rank_whose_triton_fails_makes_every_rank_raise(tmp_path):
+    """Rank 1's Triton cannot launch (a real failure: its compiled kernels on CPU tensors,
+    no GPU driver), rank 0's works: both raise at the first step, after the same collective,
+    naming rank 1 and its error — neither waits for the other, neither falls back. Bug
+    caught: only the failing rank raising (rank 0 then waits in the next collective until
+    the timeout)."""
+    pytest.importorskip("triton")
+    r0, r1 = run_distributed(_same_arithmetic_worker, 2, tmp_path, ("interpret", "interpret"), None, 1, timeout=120)
+    for r in (r0, r1):
+        assert "error" in r, r.keys()
+        assert "Triton failed on 1 of the 2 ranks of the group" in r["error"], r["error"]
+        assert "rank 1: failed: RuntimeError: 0 active drivers" in r["error"] or "rank 1: failed:" in r["error"]
+        assert "DISTNORM_TRITON=0 on every rank" in r["error"]

@@ -11,7 +11,7 @@ import torch
 
 import distnorm
 from distnorm import models
-from distnorm.monitors import TheoryMonitor
+from distnorm.monitors import TheoryMonitor, batch_statistics
 
 
 def test_monitors_are_off_by_default_and_record_when_attached():
@@ -31,8 +31,7 @@ def test_monitors_are_off_by_default_and_record_when_attached():
         assert (records == []) == (step == 1)
     layer = records[0]
     # tau_k = gamma / (rho * sigma_B): checked against the layer's own statistics
-    sink = cbns[0].stats_sink
-    tau = (cbns[0].weight.detach().double() / (cbns[0].rho * sink["sigma"].double()))
+    tau = (cbns[0].weight.detach().double() / (cbns[0].rho * batch_statistics(cbns[0])["sigma"]))
     assert layer["tau_q50"] == pytest.approx(float(torch.quantile(tau, 0.5)))
     assert 0 <= layer["eta_in_0_2"] <= 1
     assert records[-1]["layer"] == "model" and records[-1]["grad_variance"] >= 0
@@ -40,6 +39,35 @@ def test_monitors_are_off_by_default_and_record_when_attached():
     assert all(m.stats_sink is None for m in cbns)
     bn_model = models.create("resnet20", num_classes=10, norm="local_bn")
     assert len(TheoryMonitor(bn_model).invariant) == 19  # the convs followed by BatchNorm
+
+
+@pytest.mark.parametrize("lr", [0.2, 0.01])  # eta = 0 (no history), 0.9
+def test_monitored_statistics_are_the_batch_statistics(lr):
+    """What the monitor records comes from the layer's fused operator (its inputs and the
+    plan it returned, the same on every rank: the monitored rank computes nothing else),
+    checked here against the float64 statistics of the batch itself: ``mu_B``, ``mu_U`` and
+    ``sigma_B = sqrt(mean((x - mu_U + beta)^2) + eps)``."""
+    torch.manual_seed(0)
+    layer = distnorm.CBN(5, rho=1.5)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(5) * 0.3)
+    monitor = TheoryMonitor(torch.nn.Sequential(layer), every=1)
+    distnorm.set_lr(layer, lr)
+    for step in range(3):
+        x = torch.randn(16, 5, 4, 4) * (1 + step) + torch.arange(5.0).view(1, 5, 1, 1)
+        layer(x).sum().backward()
+    stats = batch_statistics(layer)
+    x64, beta = x.double(), layer.bias.detach().double().view(1, 5, 1, 1)
+    mu_b = x64.mean((0, 2, 3))
+    torch.testing.assert_close(stats["mean"], mu_b, rtol=1e-6, atol=1e-6)
+    mu_u = stats["amat_mean"]
+    if lr >= 0.1:
+        torch.testing.assert_close(mu_u, mu_b, rtol=1e-6, atol=1e-6)  # no history: mu_U = mu_B
+    sigma = torch.sqrt(((x64 - mu_u.view(1, 5, 1, 1) + beta) ** 2).mean((0, 2, 3)) + layer.eps)
+    torch.testing.assert_close(stats["sigma"], sigma, rtol=1e-5, atol=1e-6)
+    assert {r["layer"] for r in monitor.records(3)} == {"0", "model"}
+    monitor.remove()
+    assert batch_statistics(layer) is None
 
 
 @pytest.mark.processes
