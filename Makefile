@@ -44,7 +44,7 @@ test: docs system-deps
 # process without the marker fails, naming it (conftest.py). Not what CI runs.
 check: docs
 	DISTNORM_TEST_TIER=check $(PY) -m pytest -q -m "not processes and not world_size and not cluster" \
-		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS)) \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
 		--doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
 
 # CPU seconds (user + system) of `make test` and of every process it starts, counted in a

@@ -95,6 +95,7 @@ def _refusing_processes(item: pytest.Item):
 
     if not SINGLE_PROCESS or item.get_closest_marker("processes") or item.get_closest_marker("world_size"):
         return contextlib.nullcontext()
+    import torch  # noqa: F401 -- imported before the guard: its import runs ldconfig (ctypes.util.find_library)
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError(f"{item.nodeid} starts a process (in the test or a fixture): mark it "
