@@ -40,9 +40,13 @@ out again, exactly: no byte more), and every rank reads the same sums
   tensors): the composite on every rank of the group, with a warning where that differs
   from what a rank would have chosen alone.
 
-A layer without a group (one process, or ``sync=False``) decides alone, with the same rule.
-A rank's vote launches each kernel once on a few channels and compares it with the
-composite, so the toolchain failures above surface before the first real step. What is
+A layer without a group (one process, or ``sync=False``) decides alone, with the same rule:
+its buffers are its rank's own, so no other rank must match them — but a failed Triton then
+raises on that rank only (in a multi-rank job the others stop at their next collective's
+timeout). A rank's vote launches each kernel once on a few channels and compares it with the
+composite, so the toolchain failures above surface before the first real step; a kernel
+that fails only later, for a launch configuration the vote did not try, raises (never falls
+back) on every rank that reaches it — all of them, as they run the same step. What is
 decided, and why, is :func:`triton_state` (the GPU report prints it).
 
 ``DISTNORM_TRITON`` (read when a decision is made): ``1`` (default) Triton on CUDA where it
@@ -341,10 +345,10 @@ def _verdict(mode: str, device: torch.device) -> tuple[int, str]:
     ``(_FAILED, error)`` — remembered per mode and device (one probe per process)."""
     if mode not in _MODES:
         return _FAILED, f"DISTNORM_TRITON={mode!r} is not one of {', '.join(_MODES)}"
-    kernels, why = _kernels_for(device)
-    if kernels is None:
-        return _OFF, why
-    try:
+    try:  # never raises: a synchronized layer votes before its collective, and says it there
+        kernels, why = _kernels_for(device)
+        if kernels is None:
+            return _OFF, why
         _probe(kernels, device)
     except Exception as err:  # noqa: BLE001 - whatever Triton raises here is this rank's failure
         return _FAILED, f"{type(err).__name__}: {err}"
