@@ -33,13 +33,13 @@ if [[ $# -lt 1 ]]; then
   exit 2
 fi
 # This command as typed, with the variables above that were set: what the Ctrl-C line gives
-# as the command that resumes the run.
+# as the command that resumes the run (unless a wrapper around this script set its own).
 LAUNCH_COMMAND=""
 for var in NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT RDZV RDZV_ID; do
   if [[ -n "${!var:-}" ]]; then LAUNCH_COMMAND+="$var=$(printf '%q' "${!var}") "; fi
 done
 LAUNCH_COMMAND+=$(printf '%q ' "$0" "$@")
-export DISTNORM_LAUNCH_COMMAND="${LAUNCH_COMMAND% }"
+export DISTNORM_LAUNCH_COMMAND="${DISTNORM_LAUNCH_COMMAND:-${LAUNCH_COMMAND% }}"
 CONFIG=$1
 shift
 HERE=$(cd "$(dirname "$0")/.." && pwd)
