@@ -50,7 +50,7 @@ from step import build  # noqa: I001
 
 import distnorm
 from distnorm import models
-from distnorm._fused import triton_enabled
+from distnorm._fused import triton_state
 
 MODELS = ("resnet50", "resnet18", "efficientnet_b0")
 VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn")
@@ -175,12 +175,15 @@ def write_atomically(path: str | None, payload: dict) -> None:
 
 
 def _triton_state(device: torch.device) -> dict | None:
-    """Whether distnorm's fused operators still take their Triton kernels (no launch failed in
-    this process; CUDA only) and the Triton version; None on other devices."""
+    """Whether distnorm's fused operators run their Triton kernels on ``device`` (what the
+    group agreed at its first synchronized step, else this process's own verdict; a Triton
+    that cannot run raises, it is never replaced silently), why not, and the Triton version;
+    None on other devices."""
     if device.type != "cuda":
         return None
     version = importlib.metadata.version("triton") if importlib.util.find_spec("triton") else None
-    return {"triton": version, "distnorm_fused_ops_on_triton": triton_enabled()}
+    state = triton_state(device=device)
+    return {"triton": version, "distnorm_fused_ops_on_triton": state.used, "reason": state.reason}
 
 
 def main(argv=None) -> dict:
@@ -228,6 +231,7 @@ def main(argv=None) -> dict:
             payload["ratios"] = {f"step_{variant}_{m}_vs_local_bn_eager_{model}": entry["ratio_vs_local_bn_eager"]
                                  for model, r in results.items() for variant, modes in r["variants"].items()
                                  for m, entry in modes.items() if (variant, m) != BASELINE}
+            payload["triton"] = _triton_state(device)  # after steps: what ran, for a report a kill cuts short
             write_atomically(args.json, payload)
     payload["complete"] = True
     payload["triton"] = _triton_state(device)
