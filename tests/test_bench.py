@@ -40,9 +40,21 @@ def _run(script: str, tmp_path: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def layers_through_all(tmp_path_factory) -> Path:
+    """bench/all.py --quick --only layers, once: its summary holds the layer benchmark's whole
+    JSON, so one run serves the layer test and the collector's (the layer benchmark starts
+    two gloo ranks of its own: one run instead of two)."""
+    out = tmp_path_factory.mktemp("all")
+    subprocess.run([sys.executable, str(REPO / "bench" / "all.py"), "--quick", "--only", "layers", "--out", str(out)],
+                   check=True, cwd=REPO, timeout=600)
+    (summary,) = out.glob("*-quick.json")
+    return summary
+
+
 @pytest.mark.timeout(600)
-def test_bench_layers_quick(tmp_path):
-    result = _run("layers.py", tmp_path)
+def test_bench_layers_quick(layers_through_all):
+    result = json.loads(layers_through_all.read_text())["results"]["layers"]
     assert set(result["ratios"]) == {"cbn_vs_batchnorm2d", "popnorm_vs_batchnorm2d", "syncbn_vs_batchnorm2d", "naive_vs_cbn"}
     _measured(result["ratios"])
     counts = result["collectives_2_ranks"]["per_layer_per_step"]
@@ -118,12 +130,11 @@ def test_bench_step_quick(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_bench_all_collects_json_and_markdown(tmp_path):
-    subprocess.run([sys.executable, str(REPO / "bench" / "all.py"), "--quick", "--only", "layers", "--out", str(tmp_path)],
-                   check=True, cwd=REPO, timeout=600)
-    (summary,) = tmp_path.glob("*-quick.json")
-    assert "cbn_vs_batchnorm2d" in json.loads(summary.read_text())["results"]["layers"]["ratios"]
-    assert "`cbn_vs_batchnorm2d`" in summary.with_suffix(".md").read_text()
+def test_bench_all_collects_json_and_markdown(layers_through_all):
+    summary = json.loads(layers_through_all.read_text())
+    assert summary["quick"] is True and set(summary["results"]) == {"layers"} and summary["machine"]["torch"]
+    assert "cbn_vs_batchnorm2d" in summary["results"]["layers"]["ratios"]
+    assert "`cbn_vs_batchnorm2d`" in layers_through_all.with_suffix(".md").read_text()
 
 
 # ------------------------------------------------------------- make test-gpu, on a CPU
