@@ -149,6 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"distnorm-report: error: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.partition(".")[0] != "matplotlib":
+            raise
+        print(f"distnorm-report: error: the plots need the optional dependency {err.name!r}, which is not installed; "
+              'install the [report] extra: pip install "distnorm[report]" (from a clone: pip install -e ".[report]")',
+              file=sys.stderr)
+        return 2
     for name, row in result["runs"].items():
         top1 = "–" if row["final_top1"] is None else f"{row['final_top1']:.2f}%"
         print(f"{name}: {row['steps']} steps, final top-1 {top1}")

@@ -826,6 +826,48 @@ MUTANTS: list[Mutant] = [
         "        t_local, s1_local = torch.ones(2, channels, dtype=center.dtype, device=center.device).unbind()\n",
         ("tests/test_cuda.py::test_empty_rank_on_one_device[cpu-splits0]",),
     ),
+    # ------------------------------------------------------------ the package is the product (issue 38)
+    Mutant(
+        "wheel-without-deepspeed-json",
+        "the wheel ships the recipes, their DeepSpeed JSON and the launchers; its commands run them outside a clone",
+        "pyproject.toml",
+        '"distnorm.recipes" = ["**/*.yaml", "**/*.json"]\n',
+        '"distnorm.recipes" = ["**/*.yaml"]\n',
+        ("tests/test_packaging.py::test_the_wheel_holds_the_package_its_recipes_and_its_launchers",
+         "tests/test_packaging.py::test_the_installed_commands_run_shipped_recipes_outside_the_clone"),
+    ),
+    Mutant(
+        "wheel-without-launch-scripts",
+        "python -m distnorm.launch torchrun runs the shipped launch/torchrun.sh from an install",
+        "pyproject.toml",
+        '"distnorm.launch.scripts" = ["*.sh", "*.sbatch",',
+        '"distnorm.launch.scripts" = ["*.sbatch",',
+        ("tests/test_packaging.py::test_the_installed_launcher_runs_torchrun_sh_from_the_package",),
+    ),
+    Mutant(
+        "recipe-clone-path-outside-clone",
+        "a recipe by name, or by a clone's configs/ path, from any directory (its DeepSpeed JSON too)",
+        "distnorm/train/config.py",
+        "    return Path(value).as_posix().removeprefix(_CLONE_PREFIX)\n",
+        "    return Path(value).as_posix()\n",
+        ("tests/test_train.py::test_a_shipped_recipe_by_name_from_any_directory",),
+    ),
+    Mutant(
+        "recipe-close-names-dropped",
+        "a recipe name that matches nothing lists the closest names",
+        "distnorm/train/config.py",
+        "    close = list(dict.fromkeys(close))[:5]\n",
+        "    close = []\n",
+        ("tests/test_train.py::test_an_unknown_recipe_name_lists_the_closest_and_list_configs_lists_every_one",),
+    ),
+    Mutant(
+        "missing-extra-traceback",
+        "a missing optional dependency names the extra to install, never a bare ModuleNotFoundError",
+        "distnorm/launch/__init__.py",
+        '    return _entry("distnorm.train.cli", "train", "distnorm-train")()\n',
+        '    return importlib.import_module("distnorm.train.cli").main()\n',
+        ("tests/test_packaging.py::test_a_missing_optional_dependency_names_the_extra_to_install[train-help]",),
+    ),
 ]
 
 

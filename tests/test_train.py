@@ -284,6 +284,51 @@ def test_launcher_refuses_bad_split_before_starting_workers(tmp_path, digits):
     assert "torch.distributed" not in proc.stderr and not (tmp_path / "x").exists()  # no worker started
 
 
+# ------------------------------------------------------------------ shipped recipes, by name
+def test_a_shipped_recipe_by_name_from_any_directory(tmp_path, monkeypatch):
+    """Outside the clone a recipe is found by name (``imagenet/resnet50_cbn``) or by a clone's
+    path (``configs/imagenet/resnet50_cbn.yaml``) in the package (``distnorm.recipes``), its
+    ``extends:`` followed there, its DeepSpeed JSON (``configs/deepspeed/...`` or
+    ``deepspeed/...``) found there too; a file that exists here wins over a shipped name.
+    Bugs caught: a clone's path "does not exist" outside the clone (issue 38); the DeepSpeed
+    JSON looked up in the working directory only."""
+    reference = load_config(REPO / "configs" / "imagenet" / "resnet50_cbn.yaml").to_dict()
+    monkeypatch.chdir(tmp_path)
+    for name in ("imagenet/resnet50_cbn", "imagenet/resnet50_cbn.yaml", "configs/imagenet/resnet50_cbn.yaml"):
+        assert load_config(name).to_dict() == reference, name
+    shipped = REPO / "configs" / "deepspeed"
+    deepspeed = load_config("configs/imagenet/resnet50_cbn_deepspeed.yaml").train.deepspeed_config
+    assert Path(deepspeed).read_bytes() == (shipped / "zero2_bf16.json").read_bytes()
+    deepspeed = load_config("demo/digits", ["train.engine=deepspeed",
+                                            "train.deepspeed_config=deepspeed/zero2_fp32.json"]).train.deepspeed_config
+    assert Path(deepspeed).read_bytes() == (shipped / "zero2_fp32.json").read_bytes()
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "digits.yaml").write_text("model: {name: resnet20, num_classes: 7}\n")
+    assert load_config("demo/digits.yaml").model.num_classes == 7  # the file here
+    assert load_config("demo/digits").model.num_classes == 10  # no such file: the shipped recipe
+
+
+def test_an_unknown_recipe_name_lists_the_closest_and_list_configs_lists_every_one(capsys):
+    """A name that matches nothing is a configuration error naming the closest recipes (a
+    misspelling; a name without its directory); ``--list-configs`` lists every shipped recipe
+    and DeepSpeed JSON by the name ``--config`` / ``train.deepspeed_config`` take."""
+    from distnorm.train import cli
+
+    with pytest.raises(ConfigError, match=r"'imagenet/resnet50_cbm' is neither a file nor .* the closest: "
+                                          r"imagenet/resnet50_cbn, .*--list-configs"):
+        load_config("imagenet/resnet50_cbm")
+    with pytest.raises(ConfigError, match=r"the closest: imagenet/resnet50_cbn, "):
+        load_config("resnet50_cbn")
+    assert cli.main(["--config", "imagenet/resnet50_cbm", "--check"]) == 2
+    assert "the closest: imagenet/resnet50_cbn" in capsys.readouterr().err
+    assert cli.main(["--list-configs"]) == 0
+    listed = set(capsys.readouterr().out.split())
+    configs = REPO / "configs"
+    names = {p.relative_to(configs).with_suffix("").as_posix() for p in configs.rglob("*.yaml")}
+    names |= {p.relative_to(configs).as_posix() for p in configs.rglob("*.json")}
+    assert names - listed == set()
+
+
 # ------------------------------------------------------------------ shards against their index
 def _copy_shards(digits: Path, to: Path) -> Path:
     to.mkdir()

@@ -277,6 +277,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"distnorm-shards: error: {err}", file=sys.stderr)
         return 2
+    except ImportError as err:  # a library of the [data] extra (WebDataset, scikit-learn, tqdm, ...)
+        if isinstance(err, ModuleNotFoundError):  # Python's own message, which names no extra
+            if (err.name or "distnorm").partition(".")[0] == "distnorm":
+                raise  # a module of distnorm itself: a broken install
+            err = (f"the optional dependency {err.name!r} is not installed; install the [data] extra: "
+                   'pip install "distnorm[data]" (from a clone: pip install -e ".[data]")')
+        print(f"distnorm-shards: error: {err}", file=sys.stderr)
+        return 2
     print(f"{index.total} samples, {len(index.classes)} classes, {len(index.shards)} shards -> "
           f"{index_path(args.out_prefix)}")
     return 0

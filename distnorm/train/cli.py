@@ -1,12 +1,15 @@
 """The recipe's command line.
 
-    distnorm-train --config configs/imagenet/resnet50_cbn.yaml [section.key=value ...]
+    distnorm-train --config imagenet/resnet50_cbn [section.key=value ...]
+    distnorm-train --config my_recipe.yaml ...         # a path works too (configs/... in a clone)
+    distnorm-train --list-configs                      # the recipes shipped in the package
     distnorm-train --config ... --dry-run              # build everything, two synthetic steps
     distnorm-train --config ... --check --world-size 16   # validate before the queue wait
     distnorm-train --config ... --check --verify-checksums  # and every shard's SHA-256
 
 Launch it under ``torchrun`` / SLURM / ``deepspeed`` / ``accelerate launch`` (see
-``launch/``): every process runs this same command.
+``launch/``, or ``python -m distnorm.launch`` from an install): every process runs this same
+command.
 
 What the processes print when a run does not finish: an error every rank shares (a bad
 command line, ranks whose setups differ) once, from the first process (of each node, for a
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from distnorm.data.loaders import DataError
 from distnorm.train.checkpoint import CheckpointManager
-from distnorm.train.config import ConfigError, TrainConfig, describe_config, load_config
+from distnorm.train.config import ConfigError, TrainConfig, describe_config, describe_recipes, load_config
 from distnorm.train.engines import local_world
 from distnorm.train.loop import SetupMismatchError, check_setup, data_error_message, train
 
@@ -65,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="distnorm-train",
         description="Train an ImageNet / CIFAR / demo recipe with synchronized CBN, POP-Norm, BN or BNP.",
     )
-    parser.add_argument("--config", help="recipe YAML (see configs/)")
+    parser.add_argument("--config", help="a shipped recipe's name, e.g. imagenet/resnet50_cbn (see --list-configs), "
+                                         "or a recipe YAML's path")
+    parser.add_argument("--list-configs", action="store_true",
+                        help="list the recipes and DeepSpeed configs shipped in the package, then exit")
     parser.add_argument("--help-config", action="store_true",
                         help="print every key of a recipe with its type, default and help, then exit")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.epochs=2")
@@ -152,6 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.help_config:
         print(describe_config())
+        return 0
+    if args.list_configs:
+        try:
+            print(describe_recipes())
+        except ConfigError as err:
+            print(f"distnorm-train: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.config is None:
         parser.error("the following arguments are required: --config")

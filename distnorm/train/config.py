@@ -14,11 +14,20 @@ and the data paths; defaults below)::
 ``key=value`` overrides (``train.epochs=2 distnorm.norm=bn distnorm.cbn.rho=2``) are applied on top, values
 parsed as YAML. Unknown sections or keys anywhere are errors naming the key and the
 accepted ones: no key in a config is ignored silently.
+
+The recipes of ``configs/`` ship inside the package as ``distnorm.recipes`` (read through
+:mod:`importlib.resources`; in a clone with an editable install it is ``configs/`` itself), so
+a recipe is named without a clone: ``imagenet/resnet50_cbn`` (:func:`find_recipe`; a path
+that exists wins, and ``configs/imagenet/resnet50_cbn.yaml`` names the same shipped file from
+any directory). ``train.deepspeed_config`` is looked up the same way when it is not a file
+here (``configs/deepspeed/zero2_bf16.json`` or ``deepspeed/zero2_bf16.json``).
 """
 
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib.resources
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -45,7 +54,8 @@ from distnorm.settings import (
     text,
 )
 
-__all__ = ["TrainConfig", "load_config", "apply_overrides", "ENGINES", "PRECISIONS"]
+__all__ = ["TrainConfig", "load_config", "apply_overrides", "find_recipe", "shipped_recipes", "describe_recipes",
+           "ENGINES", "PRECISIONS"]
 
 ENGINES = ("accelerate", "deepspeed")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -297,6 +307,89 @@ def from_dict(data: dict[str, Any]) -> TrainConfig:
     return TrainConfig(**sections)
 
 
+# ------------------------------------------------------------------ the shipped recipes
+#: The package the recipes install as (pyproject.toml maps it onto configs/).
+RECIPES_PACKAGE = "distnorm.recipes"
+#: How a recipe is named in a clone (``configs/imagenet/resnet50_cbn.yaml``): the same name
+#: reaches the shipped copy from any directory.
+_CLONE_PREFIX = "configs/"
+
+
+def _shipped_root() -> Path:
+    """The directory of the shipped recipes: ``distnorm/recipes/`` of an installed wheel, or
+    the clone's ``configs/`` under an editable install."""
+    try:
+        root = importlib.resources.files(RECIPES_PACKAGE)
+    except ModuleNotFoundError:
+        raise ConfigError(f"the shipped recipes ({RECIPES_PACKAGE}) are not installed for this Python: install "
+                          "distnorm (in a clone: pip install -e .), or give the recipe's path") from None
+    if not isinstance(root, Path):  # a zipped install: `extends:` needs files on disk
+        raise ConfigError(f"the shipped recipes are not files on disk ({root}); install distnorm unzipped "
+                          "(pip install), or give the recipe's path")
+    return root
+
+
+def _shipped_name(value: str) -> str:
+    """``value`` as a path under the recipes' directory: a clone's ``configs/`` dropped."""
+    return Path(value).as_posix().removeprefix(_CLONE_PREFIX)
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Every shipped recipe by name (its path under ``configs/`` without ``.yaml``, e.g.
+    ``imagenet/resnet50_cbn``), with its file. ``base/`` holds what the others extend."""
+    root = _shipped_root()
+    return {p.relative_to(root).with_suffix("").as_posix(): p for p in sorted(root.rglob("*.yaml"))}
+
+
+def find_recipe(config: str | os.PathLike) -> Path:
+    """The recipe ``config`` names: a YAML file's path, or else a shipped recipe's name
+    (``imagenet/resnet50_cbn``; ``configs/`` before it and ``.yaml`` after it allowed).
+
+    A name that matches nothing is a :class:`ConfigError` listing the closest names."""
+    path = Path(config)
+    if path.is_file():
+        return path
+    recipes = shipped_recipes()
+    name = _shipped_name(str(config)).removesuffix(".yaml")
+    if name in recipes:
+        return recipes[name]
+    stem = Path(name).name  # `resnet50_cbn` without its directory still finds imagenet/resnet50_cbn
+    close = [n for n in recipes if Path(n).name == stem] + difflib.get_close_matches(name, list(recipes), n=5)
+    close = list(dict.fromkeys(close))[:5]
+    hint = f"; the closest: {', '.join(close)}" if close else ""
+    raise ConfigError(f"config {str(config)!r} is neither a file nor the name of a shipped recipe{hint} "
+                      "(distnorm-train --list-configs lists them all)")
+
+
+def _shipped_file(value: str) -> Path | None:
+    """The shipped file ``value`` names (``configs/deepspeed/zero2_bf16.json`` or
+    ``deepspeed/zero2_bf16.json``), or ``None``."""
+    try:
+        candidate = _shipped_root() / _shipped_name(value)
+    except ConfigError:  # no shipped files: the value stays as given
+        return None
+    return candidate if candidate.is_file() else None
+
+
+def describe_recipes() -> str:
+    """The shipped recipes and DeepSpeed configs, for ``distnorm-train --list-configs``."""
+    root = _shipped_root()
+    lines = [f"Recipes shipped with distnorm ({root}); run one by name, e.g.",
+             "  distnorm-train --config imagenet/resnet50_cbn --check", ""]
+    lines += [f"  {name}" for name in shipped_recipes()]
+    lines += ["", "DeepSpeed configs (train.deepspeed_config=NAME, for train.engine=deepspeed):", ""]
+    lines += [f"  {p.relative_to(root).as_posix()}" for p in sorted(root.rglob("*.json"))]
+    return "\n".join(lines)
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TrainConfig:
-    """Read a recipe (following ``extends:``), apply overrides, validate."""
-    return from_dict(apply_overrides(_read(Path(path)), list(overrides)))
+    """Read a recipe (a path or a shipped recipe's name, following ``extends:``), apply
+    overrides, validate."""
+    data = apply_overrides(_read(find_recipe(path)), list(overrides))
+    run = data.get("train")
+    deepspeed_config = run.get("deepspeed_config") if isinstance(run, dict) else None
+    if isinstance(deepspeed_config, str) and not Path(deepspeed_config).is_file():
+        shipped = _shipped_file(deepspeed_config)  # e.g. configs/deepspeed/... outside a clone
+        if shipped is not None:
+            run["deepspeed_config"] = str(shipped)
+    return from_dict(data)
