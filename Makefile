@@ -9,9 +9,14 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 # Recreated when the dependency list changes. The constraints file pins torch/torchvision
-# to the builds on the project machines' local disk, so this installs without downloads.
+# to the builds on the project machines' local disk, so this installs without downloads. That
+# torch is the CUDA build (16 nvidia-* packages): said before it starts, with the way to a CPU
+# build (README.md, Install); a torch already in the venv that meets the pin (torch 2.14.1+cpu put
+# there first) is left in place by pip (not tried here, where the CUDA build is local).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c 'import torch; print(f"make install: $(VENV) has torch {torch.__version__}, kept if it meets constraints.txt (torch==2.14.1)")' 2>/dev/null || \
+		echo "make install: torch 2.14.1 as constraints.txt pins it, the CUDA build with 16 nvidia-* packages: $(VENV) grows to about 6 GB (6.0 GB, du -sh, 2026-11-26). CPU only: README.md, Install, puts the much smaller CPU build in first."
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $(STAMP)

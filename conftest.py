@@ -2,9 +2,18 @@
 
 `make test` passes README.md and docs/ to pytest; every ```python block there runs, in page
 order, with one namespace per page (a later block may use what an earlier one defined), in a
-fresh temporary working directory, as a single process with a one-rank gloo group available
-(the environment torchrun would give rank 0 of 1: `torch.distributed.init_process_group("gloo")`
-works as written). A block that cannot run here is preceded by
+fresh temporary working directory, as `python page.py` would run it: one process, and none of
+the variables a launcher sets (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ... are removed
+from the environment while the page runs, even where pytest itself was started with them), so
+a block that needs one fails unless the page sets it. A block that shows how a page runs under
+``torchrun`` is followed by
+
+    <!-- torchrun: nproc=2 -->
+
+which is a test of its own: the page's blocks that ran so far, written as one script, run
+again under ``python -m torch.distributed.run --standalone --nproc_per_node=2`` in a fresh
+directory (marked ``processes``: ``make test`` runs it, ``make check`` does not). A block
+that cannot run here is preceded by
 
     <!-- skip: next "why it cannot run here" -->
     <!-- skip: next if(not torch.cuda.is_available(), reason="needs CUDA") -->
@@ -22,8 +31,9 @@ it collects anything, naming the package.
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,8 +41,10 @@ from pathlib import Path
 import pytest
 
 try:
-    from sybil import Sybil
+    from sybil import Region, Sybil
+    from sybil.evaluators.python import PythonEvaluator
     from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+    from sybil.parsers.markdown.lexers import DirectiveInHTMLCommentLexer
 except ModuleNotFoundError as err:  # only the package itself: a broken install still raises
     if err.name != "sybil":
         raise
@@ -50,7 +62,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 #: Pages whose Python blocks start processes (DataLoader workers): left out of ``make check``.
 PAGES_THAT_START_PROCESSES = {"docs/reference/data.md"}
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+#: What launchers set (torchrun / torch.distributed.elastic, Accelerate, Slurm, MPI): removed
+#: from the environment while a page's blocks run, as a user's shell does not have them.
+LAUNCHER_VARIABLES = re.compile(r"(MASTER_ADDR|MASTER_PORT|RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK"
+                                r"|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_WORLD_SIZE|ROLE_NAME|CROSS_RANK|CROSS_SIZE"
+                                r"|LOCAL_SIZE|TORCHELASTIC_\w+|ACCELERATE_\w+|SLURM_\w+|OMPI_\w+|PMI_\w+|PMIX_\w+"
+                                r"|MV2_\w+)")
+#: Seconds a page's blocks may take under torchrun (the README's and the DDP guide's: about 10 s on 2 cores).
+TORCHRUN_TIMEOUT = 240
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -65,6 +84,12 @@ def pytest_configure(config: pytest.Config) -> None:
     path = os.environ.get("PATH", "")
     if path.split(os.pathsep)[0] != bin_dir:
         os.environ["PATH"] = bin_dir + os.pathsep + path
+    # DeepSpeed builds that op in TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, which
+    # every venv of the user shares: two venvs rebuilt it for each other (two rebuilds of about
+    # 2 min in one trial, 2026-11-26). One directory per venv, inherited by every process the
+    # tests start; a value you set wins.
+    if sys.prefix != sys.base_prefix:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     if Sybil is None and not GPU_TIER:
         raise pytest.UsageError(
             f"Sybil is not installed for {sys.executable}: the tests run the Python blocks of README.md and "
@@ -113,6 +138,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.relative_to(ROOT).as_posix() in PAGES_THAT_START_PROCESSES:
             item.add_marker(pytest.mark.processes)
+        elif getattr(item, "example", None) is not None and item.example.region.evaluator is _under_torchrun:
+            item.add_marker(pytest.mark.processes)  # a Sybil item: the page's script on N torchrun ranks
 
 
 @pytest.hookimpl(wrapper=True)
@@ -127,27 +154,20 @@ def pytest_runtest_call(item: pytest.Item):
         return (yield)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _setup(namespace: dict) -> None:
     import torch
 
     namespace["torch"] = torch  # for `skip: next if(...)` conditions
-    namespace["__saved__"] = (os.getcwd(), {k: os.environ.get(k) for k in _ENV})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    namespace["__saved__"] = (os.getcwd(), dict(os.environ))
+    namespace["__script__"] = []  # the blocks that ran, for a torchrun marker
+    for key in [k for k in os.environ if LAUNCHER_VARIABLES.fullmatch(k)]:
+        del os.environ[key]  # a user's shell has none of them: a block that needs one fails
     namespace["__workdir__"] = tempfile.mkdtemp(prefix="distnorm-docs-")
     os.chdir(namespace["__workdir__"])
     torch.manual_seed(0)
 
 
 def _teardown(namespace: dict) -> None:
-    import sys
-
     import torch.distributed as dist
 
     if "accelerate" in sys.modules:  # a page that made an Accelerator leaves no singleton state behind
@@ -159,21 +179,71 @@ def _teardown(namespace: dict) -> None:
     cwd, env = namespace["__saved__"]
     os.chdir(cwd)
     shutil.rmtree(namespace["__workdir__"], ignore_errors=True)
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    os.environ.clear()  # what the blocks set goes, what the setup removed comes back
+    os.environ.update(env)
+
+
+class _KeptBlock:
+    """Runs a ```python block in the page's namespace, then keeps its text for a torchrun marker."""
+
+    def __init__(self, evaluator: object) -> None:
+        self.evaluator = evaluator
+
+    def __call__(self, example: object) -> None:
+        __tracebackhide__ = True
+        self.evaluator(example)
+        example.namespace["__script__"].append(str(example.parsed))
+
+
+def _under_torchrun(example: object) -> str | None:
+    """A ``<!-- torchrun: nproc=N -->`` marker: the page's blocks that ran so far, as one script,
+    under ``torchrun --standalone --nproc_per_node=N`` in a fresh directory, as a user who saved
+    them to a file would launch it. The failure text is the command and its output's end."""
+    nproc = example.parsed
+    blocks = example.namespace["__script__"]
+    if not blocks:
+        return "a torchrun marker with no block run before it on the page"
+    workdir = tempfile.mkdtemp(prefix="torchrun-", dir=example.namespace["__workdir__"])
+    script = Path(workdir, "page.py")
+    script.write_text("\n\n".join(blocks))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script)]
+    try:
+        done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"{' '.join(command)} did not finish in {TORCHRUN_TIMEOUT} s"
+    if done.returncode != 0:
+        return f"{' '.join(command)} exited {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
+    return None
+
+
+def _torchrun_markers(document: object):
+    for lexed in DirectiveInHTMLCommentLexer(directive="torchrun", arguments=".*?")(document):
+        argument = lexed.lexemes["arguments"].strip()
+        matched = re.fullmatch(r"nproc=([1-9][0-9]*)", argument)
+        if matched is None:
+            raise ValueError(f"{document.path}: a torchrun marker reads <!-- torchrun: nproc=N -->, not {argument!r}")
+        yield Region(lexed.start, lexed.end, int(matched[1]), _under_torchrun)
+
+
+def _python_blocks(document: object):
+    for region in _PYTHON(document):
+        if isinstance(region.evaluator, PythonEvaluator):  # not a >>> block, which nothing here has
+            region.evaluator = _KeptBlock(region.evaluator)
+        yield region
 
 
 if Sybil is not None:
-    pytest_collect_file = Sybil(
-        parsers=[PythonCodeBlockParser(), SkipParser()],
+    _PYTHON = PythonCodeBlockParser()
+    #: The pages' harness; ``tests/test_docs.py`` runs its own small pages through it too.
+    DOCS = Sybil(
+        parsers=[_python_blocks, SkipParser(), _torchrun_markers],
         patterns=["README.md", "docs/*.md", "docs/*/*.md"],
         excludes=["tests/*", "launch/*", "bench/*", "examples/*", "configs/*", "distnorm/*"],
         setup=_setup,
         teardown=_teardown,
-    ).pytest()
+    )
+    pytest_collect_file = DOCS.pytest()
 
 
 @pytest.fixture(autouse=True)

@@ -868,6 +868,55 @@ MUTANTS: list[Mutant] = [
         '    return importlib.import_module("distnorm.train.cli").main()\n',
         ("tests/test_packaging.py::test_a_missing_optional_dependency_names_the_extra_to_install[train-help]",),
     ),
+    # ------------------------------------------------- the docs run as a user runs them
+    Mutant(
+        "docs-blocks-keep-launcher-variables",
+        "every code block of README and docs runs in the environment a user has (no variable the page does not set)",
+        "conftest.py",
+        "    for key in [k for k in os.environ if LAUNCHER_VARIABLES.fullmatch(k)]:\n",
+        "    for key in []:\n",
+        ("tests/test_docs.py::test_a_block_that_needs_a_launcher_variable_fails",),
+    ),
+    Mutant(
+        "torchrun-marker-one-rank",
+        "a block marked for torchrun runs (with the page's blocks before it) on the ranks the marker names",
+        "conftest.py",
+        '    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",\n',
+        '    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",\n',
+        ("tests/test_docs.py::test_a_torchrun_marker_runs_the_pages_blocks_on_n_ranks",),
+    ),
+    Mutant(
+        "torchrun-marker-exit-ignored",
+        "a page's blocks that fail under torchrun fail their test",
+        "conftest.py",
+        "    if done.returncode != 0:\n",
+        "    if False:\n",
+        ("tests/test_docs.py::test_a_torchrun_marker_runs_the_pages_blocks_on_n_ranks",),
+    ),
+    Mutant(
+        "torch-extensions-shared-by-venvs",
+        "the tests build DeepSpeed's CPU op in the venv (TORCH_EXTENSIONS_DIR), not in the cache every venv shares",
+        "conftest.py",
+        "    if sys.prefix != sys.base_prefix:\n",
+        "    if False:\n",
+        ("tests/test_docs.py::test_deepspeeds_op_is_built_inside_the_venv",),
+    ),
+    Mutant(
+        "extras-table-drifts",
+        "README's extras table names every extra of pyproject.toml",
+        "README.md",
+        "| `report` | matplotlib | `distnorm-report`'s plots |\n",
+        "| `reports` | matplotlib | `distnorm-report`'s plots |\n",
+        ("tests/test_docs.py::test_the_extras_table_is_pyprojects",),
+    ),
+    Mutant(
+        "imagenet-trial-class-count-wrong",
+        "the ImageNet guide's 3-class trial runs as written",
+        "docs/guides/imagenet.md",
+        "NPROC=2 launch/torchrun.sh configs/imagenet/resnet50_cbn.yaml model.num_classes=3 \\\n",
+        "NPROC=2 launch/torchrun.sh configs/imagenet/resnet50_cbn.yaml model.num_classes=4 \\\n",
+        ("tests/test_docs.py::test_imagenet_trial_runs_as_written",),
+    ),
 ]
 
 

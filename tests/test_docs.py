@@ -25,9 +25,15 @@ command is wrong:
   every `--flag` used appears in its `--help`.
 
 Every path under configs/, launch/, examples/ or bench/ named in a command must exist. A
-command no rule knows fails, naming this file. The ImageNet guide gets one more test: its
-shard commands on a small ImageFolder, then `distnorm-train --check` on what they wrote. And
-every ```diff block that shows the plugin lines of an example script must match that script.
+command no rule knows fails, naming this file. A block preceded by the line
+`<!-- tests/test_docs.py: run whole -->` is not split into commands: one test runs it as a
+bash script (the ImageNet guide's 3-class trial, on a small stand-in for ImageNet). The
+ImageNet guide gets one more test: its shard commands on a small ImageFolder, then
+`distnorm-train --check` on what they wrote. Every ```diff block that shows the plugin lines
+of an example script must match that script. And the harness that runs the pages' Python
+blocks (the root conftest.py) is tried here on small pages of its own: a block that needs a
+variable its page does not set fails, and a `<!-- torchrun: nproc=N -->` marker runs the
+page's blocks on N ranks.
 """
 
 from __future__ import annotations
@@ -69,15 +75,21 @@ REPO_DIRS = ("configs/", "launch/", "examples/", "bench/")
 
 # --- collecting the commands -------------------------------------------------------------
 
-def shell_blocks(page: Path) -> list[tuple[int, str]]:
-    """(first line number, text) of every shell code block of a Markdown page."""
+#: The line before a shell block that one test runs whole, as a script (not command by command).
+RUN_WHOLE = "<!-- tests/test_docs.py: run whole -->"
+
+
+def shell_blocks(page: Path, *, whole: bool = False) -> list[tuple[int, str]]:
+    """(first line number, text) of every shell code block of a Markdown page: those marked
+    RUN_WHOLE when `whole`, else the others."""
     blocks, lines, start, lang = [], page.read_text().splitlines(), None, None
     for number, line in enumerate(lines, 1):
         fence = re.match(r"^\s*```(\w*)", line)
         if fence and start is None:
             start, lang, body = number, fence[1], []
+            marked = number > 1 and lines[number - 2].strip() == RUN_WHOLE
         elif fence:
-            if lang in SHELL_LANGS:
+            if lang in SHELL_LANGS and marked == whole:
                 blocks.append((start + 1, "\n".join(body)))
             start = None
         elif start is not None:
@@ -145,10 +157,15 @@ def layout(tmp_path_factory) -> Path:
         ShardIndex(classes=[f"class{i}" for i in range(classes)],
                    shards=[ShardInfo(name=Path(s).name, count=1) for s in shards]).save(root / index)
     (root / "runs").mkdir()
-    bin_dir = root / "bin"
+    write_stubs(root / "bin")
+    return root
+
+
+def write_stubs(bin_dir: Path) -> None:
+    """Stand-ins for the interpreter the launch/ wrappers run (their `--check` and the final
+    torchrun recorded in $CHECK_LOG / $LAUNCH_LOG), the DeepSpeed runner and Slurm's commands."""
     bin_dir.mkdir()
     stubs = {
-        # the interpreter the wrappers run: everything for real except the final torchrun
         # the interpreter the wrappers run: their `--check` and the final torchrun are recorded
         # (the test runs the check in its own process), anything else runs
         "python": ('for a in "$@"; do\n'
@@ -166,7 +183,6 @@ def layout(tmp_path_factory) -> Path:
         path = bin_dir / name
         path.write_text(f"#!/usr/bin/env bash\nset -euo pipefail\n{body}\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return root
 
 
 def run(argv: list[str], *, cwd: Path, env: dict[str, str] | None = None, timeout: int = TIMEOUT) -> str:
@@ -486,3 +502,156 @@ def test_diff_matches_its_example_script(where, diff, scripts):
             return
         failures[script] = missing
     pytest.fail(f"{where}: lines not in the script (or out of its order): {failures}")
+
+
+# --- the ImageNet guide's trial, run whole ---------------------------------------------------
+
+def make_classes(root: Path, names: list[str], per_class: int) -> None:
+    from PIL import Image
+
+    for c, name in enumerate(names):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (64, 48), (80 * c, 30 * i, 120)).save(root / name / f"{name}_{i}.JPEG")
+
+
+@pytest.mark.processes
+def test_imagenet_trial_runs_as_written(tmp_path):
+    """The guide's "try it small first" block, as one bash script, with a small stand-in for
+    /data/imagenet (the classes it links, a few JPEGs each): the folders, the links, the shards
+    for real; `launch/torchrun.sh` for real up to torchrun (recorded, as in `layout`); then the
+    `--check` it ran, here, on the shards the script wrote: the overrides find them, the index's
+    3 classes match `model.num_classes`, 2 processes divide the batch.
+
+    Bug caught: a trial whose overrides do not meet what its commands write (a shard or index
+    name, the class count, a batch two processes cannot split, a misspelt key)."""
+    (block,) = [text for _, text in shell_blocks(ROOT / "docs" / "guides" / "imagenet.md", whole=True)]
+    source, folder = tmp_path / "imagenet", tmp_path / "imagenet-3"
+    for split, per_class in (("train", 6), ("val", 2)):
+        names = sorted(set(re.findall(rf"/data/imagenet/{split}/(n\d{{8}})\b", block)))
+        assert len(names) == 3, f"the trial links {names} from /data/imagenet/{split}"
+        make_classes(source / split, names, per_class)
+    script = block.replace("/data/imagenet", str(source)).replace("/tmp/imagenet-3", str(folder))
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("configs", "launch"):
+        (work / name).symlink_to(ROOT / name)
+    write_stubs(work / "bin")
+    log, checks = tmp_path / "launches.log", tmp_path / "checks.log"
+    run(["bash", "-euo", "pipefail", "-c", script], cwd=work,
+        env={"PYTHON": str(work / "bin" / "python"), "LAUNCH_LOG": str(log), "CHECK_LOG": str(checks),
+             "PATH": f"{work / 'bin'}:{os.environ['PATH']}"})
+    (check,) = [shlex.split(line) for line in checks.read_text().splitlines()]
+    assert check[:2] == ["-m", "distnorm.train"] and "--world-size" in check, check
+    assert check[check.index("--world-size") + 1] == "2", check
+    train_check(check[2:], work)
+    (launch,) = log.read_text().splitlines()
+    assert "--nproc_per_node=2" in launch, launch
+
+
+# --- what the README says about installing ---------------------------------------------------
+
+def test_the_extras_table_is_pyprojects():
+    """The README's extras table names every extra pyproject.toml defines, and no other.
+
+    Bug caught: an extra added, renamed or dropped in pyproject.toml and not in the README (the
+    table replaced ten `pip install -e ".[x]"` lines that this file checked one by one)."""
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| extra | adds | for |"):]
+    table = table[:table.index("\n\n")]
+    named = {m[1] for m in re.finditer(r"^\| `([\w-]+)` \|", table, re.M)}
+    assert named == extras, f"README's table: {sorted(named)}; pyproject.toml: {sorted(extras)}"
+
+
+def test_deepspeeds_op_is_built_inside_the_venv():
+    """README: the tests build DeepSpeed's CPU op in `.venv/torch_extensions` (the root
+    conftest.py sets TORCH_EXTENSIONS_DIR, which every process the tests start inherits).
+
+    Bug caught: the setting dropped, so the venvs of one user share ~/.cache/torch_extensions
+    and rebuild the op for each other (two rebuilds of about 2 min each in a trial, 2026-11-26)."""
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("pytest runs outside a virtualenv: the default directory is kept")
+    assert os.environ.get("TORCH_EXTENSIONS_DIR") == str(Path(sys.prefix) / "torch_extensions")
+
+
+# --- the harness of the pages' Python blocks (the root conftest.py) ---------------------------
+
+def run_page(tmp_path: Path, text: str) -> None:
+    """A Markdown page through the harness that runs README.md's and docs/'s blocks: setup,
+    every example in order, teardown."""
+    import conftest as harness  # the root one (tests/conftest.py is tests.conftest)
+
+    assert Path(harness.__file__).resolve() == ROOT / "conftest.py", harness.__file__
+    page = tmp_path / "page.md"
+    page.write_text(text)
+    document = harness.DOCS.parse(page)
+    harness.DOCS.setup(document.namespace)
+    try:
+        for example in document.examples():
+            example.evaluate()
+    finally:
+        harness.DOCS.teardown(document.namespace)
+
+
+INIT_GROUP = """```python
+import os
+import torch.distributed as dist
+
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+else:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+```
+"""
+
+
+def test_a_block_that_needs_a_launcher_variable_fails(tmp_path, monkeypatch):
+    """A block runs as `python page.py` would: `init_process_group("gloo")` without the
+    variables torchrun sets fails, as it does for a user, even where pytest itself runs with
+    them; the teardown gives them back.
+
+    Bug caught: the harness setting RANK, WORLD_SIZE, MASTER_ADDR, ... for every block (the
+    code before 2026-11-26: the README's DDP block passed its test and failed for a user with
+    "environment variable RANK expected, but not set"), or leaving the ones pytest inherited."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launched = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    for key, value in launched.items():
+        monkeypatch.setenv(key, value)
+    needs_rank = '```python\nimport torch.distributed as dist\n\ndist.init_process_group("gloo")\n```\n'
+    with pytest.raises(ValueError, match="environment variable RANK expected"):
+        run_page(tmp_path, needs_rank)
+    assert {key: os.environ.get(key) for key in launched} == launched
+    run_page(tmp_path, INIT_GROUP + '\n```python\nassert dist.get_world_size() == 1\n```\n')
+
+
+@pytest.mark.processes
+def test_a_torchrun_marker_runs_the_pages_blocks_on_n_ranks(tmp_path):
+    """`<!-- torchrun: nproc=2 -->` after a block: the page's blocks so far (two here, the
+    second using the first's names) run once in the page's process and again as one script
+    under torchrun on 2 ranks; a script that fails there fails the marker.
+
+    Bug caught: the marker running one rank, or only its own block, or passing whatever the
+    ranks return."""
+    out = tmp_path / "out"
+    out.mkdir()
+    page = INIT_GROUP + f"""
+```python
+open(os.path.join({str(out)!r}, f"rank{{dist.get_rank()}}-of-{{dist.get_world_size()}}"), "w").close()
+dist.destroy_process_group()
+```
+<!-- torchrun: nproc=2 -->
+"""
+    run_page(tmp_path, page)
+    assert sorted(p.name for p in out.iterdir()) == ["rank0-of-1", "rank0-of-2", "rank1-of-2"]
+
+    from sybil.example import SybilFailure
+
+    fails_when_launched = '```python\nimport os\n\nassert "RANK" not in os.environ\n```\n<!-- torchrun: nproc=2 -->\n'
+    with pytest.raises(SybilFailure, match="exited 1"):
+        run_page(tmp_path, fails_when_launched)
