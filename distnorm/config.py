@@ -14,9 +14,7 @@ or a :class:`~distnorm.specs.BNPSpec`; ``bnp: true`` / ``--distnorm-bnp`` / ``DI
 switch it on with its defaults.
 
 Unknown keys (YAML), unknown ``DISTNORM_*`` variables and invalid values are errors that
-name the key and the accepted values: a typo must not silently train the wrong model. The
-flat keys of distnorm 0.1 (``rho``, ``kappa``, ``omega``, ``eps``, ``bnp_momentum``, ...) are
-still read, with a ``FutureWarning`` naming the new key; checkpoints written by 0.1 load.
+name the key and the accepted values: a typo must not silently train the wrong model.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
@@ -41,16 +38,6 @@ OFF = "off"
 
 #: The nested spec sections: name -> spec class (``bnp`` may also be ``None``: off).
 SECTIONS: dict[str, type] = {**NORM_SPECS, "bnp": BNPSpec}
-
-#: distnorm 0.1's flat keys -> where they live now (read with a FutureWarning).
-LEGACY_KEYS: dict[str, tuple[str, ...]] = {
-    "rho": ("cbn.rho",), "amat": ("cbn.amat",), "omega": ("cbn.omega",), "kappa": ("popnorm.kappa",),
-    "eps": ("cbn.eps", "popnorm.eps", "bn.eps", "gn.eps"),
-    "momentum": ("cbn.momentum", "popnorm.momentum", "bn.momentum"),
-    "gn_groups": ("gn.num_groups",), "bnp_momentum": ("bnp.decay",), "bnp_eps1": ("bnp.eps1",),
-    "bnp_eps2": ("bnp.eps2",), "bnp_add_bias": ("bnp.add_bias",), "bnp_exclude": ("bnp.exclude",),
-}
-
 
 @dataclass(frozen=True)
 class DistNormConfig(Section):
@@ -94,12 +81,6 @@ class DistNormConfig(Section):
         super().__post_init__()
 
     @property
-    def group_size(self) -> int | None:
-        """Former name of :attr:`sync_group_size` (``GNSpec.group_size`` counts channels)."""
-        warnings.warn("DistNormConfig.group_size is now sync_group_size", FutureWarning, stacklevel=2)
-        return self.sync_group_size
-
-    @property
     def active(self) -> bool:
         """Whether this configuration changes the model at all (a norm other than ``off``, or BNP)."""
         return self.norm != OFF or self.bnp is not None
@@ -126,14 +107,6 @@ class DistNormConfig(Section):
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, where: str = "config") -> "DistNormConfig":
-        values = _nest_legacy(dict(values), where, warn=where != "checkpoint")
-        if "group_size" in values:  # renamed: GNSpec.group_size counts channels, this counts ranks
-            if "sync_group_size" in values:
-                raise ValueError(f"distnorm {where}: give sync_group_size only (group_size is its former name)")
-            if where != "checkpoint":
-                warnings.warn(f"distnorm {where}: group_size is deprecated; use sync_group_size",
-                              FutureWarning, stacklevel=3)
-            values["sync_group_size"] = values.pop("group_size")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -166,12 +139,6 @@ class DistNormConfig(Section):
             if not key.startswith(prefix) or key in _ENV_RESERVED:
                 continue
             name = key[len(prefix):].lower()
-            if name == "group_size":  # former name of sync_group_size (from_dict warns)
-                values[name] = coerce(options["sync_group_size"], raw, key)
-                continue
-            if name in LEGACY_KEYS and name not in options:
-                values[name] = raw  # typed by _nest_legacy
-                continue
             if name not in options:
                 raise ValueError(f"unknown environment variable {key}; known: {sorted(prefix + n.upper() for n in options)}")
             values[name] = coerce(options[name], raw, key)
@@ -206,39 +173,6 @@ class DistNormConfig(Section):
                                  f"({'--distnorm-bnp' if where == 'command line' else ENV_PREFIX + 'BNP=1'})")
             nested[section] = given
         return cls.from_dict(nested, where=where)
-
-
-def _nest_legacy(values: dict[str, Any], where: str, *, warn: bool) -> dict[str, Any]:
-    """Move distnorm 0.1's flat keys into their sections (``rho`` -> ``cbn.rho``)."""
-    old = [k for k in values if k in LEGACY_KEYS]
-    if not old:
-        return values
-    if warn:
-        warnings.warn(f"distnorm {where}: flat key(s) {old} are deprecated; use "
-                      + ", ".join(f"{k} -> {' / '.join(LEGACY_KEYS[k])}" for k in old), FutureWarning, stacklevel=4)
-    bnp = values.get("bnp")
-    bnp_on = bnp is not None and bnp is not False
-    for key in old:
-        value = values.pop(key)
-        for target in LEGACY_KEYS[key]:
-            section, name = target.split(".")
-            if section == "bnp" and not bnp_on:
-                continue  # 0.1 accepted BNP options with BNP off (they had defaults either way)
-            current = values.get(section)
-            if isinstance(current, BNPSpec) or current is True:
-                current = {} if current is True else current.kwargs()
-            if value is None and name in ("eps", "momentum") and section in ("cbn", "popnorm"):
-                continue  # 0.1's None meant "the layer's default"
-            if name == "exclude" and isinstance(value, str):
-                value = tuple(p.strip() for p in value.split(",") if p.strip())
-            values[section] = {**(current or {}), name: _coerce(section, name, value)}
-    return values
-
-
-def _coerce(section: str, name: str, value: Any) -> Any:
-    """A value read as text (environment) in the type of its spec field."""
-    f = next(f for f in fields(SECTIONS[section]) if f.name == name)
-    return coerce(f, value, f"{section}.{name}")
 
 
 def _options() -> dict[str, dataclasses.Field]:

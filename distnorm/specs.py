@@ -13,7 +13,7 @@ Momentum names say which way they point, as in the libraries they come from:
 (0.1); BNP's ``decay`` is the weight of the *history* in its running moments (0.99, the
 ``rho`` of paper 004), as in an exponential moving average's ``decay``. ``decay`` is BNP's
 one name everywhere (``bnp.attach(decay=...)``, ``distnorm.bnp.decay``,
-``--distnorm-bnp-decay``); the older ``momentum`` is read with a ``FutureWarning``.
+``--distnorm-bnp-decay``).
 
 The specs are data at the bottom of the package: they import no layer. The modules that
 define the layers register how each spec becomes a module (:func:`register_builder`), so

@@ -246,15 +246,6 @@ def test_every_spec_field_is_reachable_from_every_front_end(section, tmp_path):
         assert getattr(got.pop(), f.name) != f.default, f.name
 
 
-def test_flat_keys_of_0_1_still_load_with_a_warning():
-    """Configs and checkpoints written before the specs (flat rho / kappa / gn_groups / bnp_*)."""
-    with pytest.warns(FutureWarning, match=r"rho -> cbn.rho"):
-        old = distnorm.DistNormConfig.from_yaml({"norm": "cbn", "rho": 2.0, "omega": 5.0, "bnp": True,
-                                                 "bnp_momentum": 0.9, "gn_groups": 8}, section=None)
-    assert old == distnorm.DistNormConfig(norm="cbn", cbn=CBNSpec(rho=2.0, omega=5.0), gn=GNSpec(num_groups=8),
-                                          bnp=BNPSpec(decay=0.9))
-
-
 @pytest.mark.parametrize(
     "make,match",
     [

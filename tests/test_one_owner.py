@@ -1,11 +1,10 @@
 """The package's structure and names: no import circle, one owner per default, one name per
-value (with the former names read once, with a FutureWarning)."""
+value."""
 
 from __future__ import annotations
 
 import ast
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -149,31 +148,20 @@ def test_bnp_history_weight_is_called_decay_everywhere():
     saved = handle.state_dict()
     assert saved["config"]["decay"] == 0.9
     handle.detach()
-    with pytest.warns(FutureWarning, match="decay"):
-        old = distnorm.bnp.attach(model, momentum=0.9, exclude=["2"])
-    assert old.config == BNPSpec(decay=0.9, exclude=("2",))
-    saved["config"]["momentum"] = saved["config"].pop("decay")  # a state written before the rename
-    with pytest.warns(FutureWarning, match="momentum"):
-        old.load_state_dict(saved)
-    old.detach()
+    with pytest.raises(TypeError, match="momentum"):
+        distnorm.bnp.attach(model, momentum=0.9)
     assert BNPSpec(decay=0.5).attach(model).config.decay == 0.5
 
 
-def test_sync_group_size_is_the_ranks_per_group_and_group_size_still_reads():
+def test_sync_group_size_is_the_ranks_per_group():
     """Bug caught: ``group_size`` meaning ranks per group in the config and channels per group
-    in GNSpec."""
-    with pytest.warns(FutureWarning, match="sync_group_size"):
-        cfg = distnorm.DistNormConfig.from_dict({"norm": "cbn", "group_size": 2})
-    assert cfg.sync_group_size == 2
-    with pytest.warns(FutureWarning):
-        assert cfg.group_size == 2
-    with pytest.warns(FutureWarning):
-        assert distnorm.DistNormConfig.from_env({"DISTNORM_GROUP_SIZE": "4"}).sync_group_size == 4
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new name warns about nothing
-        assert distnorm.DistNormConfig.from_env({"DISTNORM_SYNC_GROUP_SIZE": "4"}).sync_group_size == 4
-    with pytest.raises(ValueError, match="sync_group_size only"):
-        distnorm.DistNormConfig.from_dict({"group_size": 2, "sync_group_size": 2})
+    in GNSpec (the configuration says ``sync_group_size``; ``group_size`` is GroupNorm's)."""
+    assert distnorm.DistNormConfig.from_dict({"norm": "cbn", "sync_group_size": 2}).sync_group_size == 2
+    assert distnorm.DistNormConfig.from_env({"DISTNORM_SYNC_GROUP_SIZE": "4"}).sync_group_size == 4
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['group_size'\]"):
+        distnorm.DistNormConfig.from_dict({"group_size": 2})
+    with pytest.raises(ValueError, match="unknown environment variable DISTNORM_GROUP_SIZE"):
+        distnorm.DistNormConfig.from_env({"DISTNORM_GROUP_SIZE": "4"})
 
 
 def test_engine_wrappers_are_registered_not_matched_by_name():
