@@ -14,8 +14,8 @@ import re as _re
 
 from torch import __version__ as _torch_version
 
-#: The oldest torch distnorm runs on: ``torch.library.custom_op`` and ``register_fake``
-#: (``distnorm._ops``, what ``torch.compile`` sees) came with 2.4.
+#: The oldest torch distnorm runs on: ``torch.library.register_fake`` (the fake kernels of
+#: the operators in ``distnorm._functions``, what ``torch.compile`` sees) came with 2.4.
 _TORCH_FLOOR = (2, 4)
 
 
@@ -38,7 +38,7 @@ def _require_torch(version: str, floor: tuple[int, int] = _TORCH_FLOOR) -> None:
 
 _require_torch(_torch_version)
 
-# After the check: on an older torch, distnorm._ops fails with an AttributeError instead.
+# After the check: on an older torch, distnorm._functions fails with an AttributeError instead.
 from distnorm import bnp, functional
 from distnorm._collectives import norm_group
 from distnorm._debug import debug

@@ -1,5 +1,5 @@
-"""The mathematics of BNP (paper 004; SPEC §5), beside the normalization mathematics of
-:mod:`distnorm._functions` and below the custom operators of :mod:`distnorm._ops`.
+"""The mathematics of BNP (paper 004; SPEC §5), below the operators of
+:mod:`distnorm._functions`, which declares its statistics step as ``distnorm::bnp_statistics``.
 
 * :func:`layer_statistics`: one statistics step of a preconditioned layer's input — the
   global moments (ONE all-reduce), the running moments ``bnp_mean`` / ``bnp_var`` updated

@@ -1,21 +1,25 @@
-"""The mathematics of the layers: per-step statistics ("plans"), the forward and the backward.
+"""The operators of the synchronized layers: a training step, from the layer's call down to
+the collectives.
 
-Every synchronized layer runs the same plan, chosen so that a training step issues exactly
-one collective in the forward and one in the backward, saves only its input plus
-per-channel vectors, and never reads a tensor on the host:
+:mod:`distnorm.functional` hands a training call here (:func:`normalize`), and it goes down
+in one direction: the statistics step, then :class:`NormalizeFunction`, whose backward is
+written by hand. Every synchronized layer runs the same plan, chosen so that a training step
+issues exactly one collective in the forward and one in the backward, saves only its input
+plus per-channel vectors, and never reads a tensor on the host:
 
 statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
     1. :func:`distnorm._collectives.global_moments`: local Welford moments, ONE all-reduce
-       (at a group's first step its counts also carry the ranks' vote on the fused
+       (at a group's first step its counts also carry the ranks' vote on the per-channel
        operators' kernels, so every rank runs the same ones: :mod:`distnorm._fused`).
     2. Per-channel algebra in the accumulation dtype (float32, float64 for float64 input):
-       the statistics the output uses, and the coefficients of the backward below.
+       the statistics the output uses, and the coefficients of the backward below (for
+       CBN one operator, ``distnorm::cbn_plan``).
     3. Buffer updates (running / AMAT statistics), on device, exactly once per step.
     The result is a :class:`NormPlan` of per-channel tensors. Activation checkpointing
     recomputes a forward during the backward pass; such a recomputation reuses the stashed
     plan of the first forward instead (:mod:`distnorm._recompute`).
 
-forward (:func:`forward_output`; the autograd glue is :class:`distnorm._autograd.NormalizeFunction`)
+forward (:func:`forward_output`, in :class:`NormalizeFunction`)
     ``y = scale * (x - center) / sqrt(var + eps) + shift``: ATen's inference batch norm,
     one fused pass for every input rank, memory format and dtype.
 
@@ -34,6 +38,45 @@ The CBN and SyncBatchNorm input gradients are both of that form. With ``u = a / 
 SyncBatchNorm: ``a = weight * invstd``, ``q = invstd``, ``r_mu = 1``, ``w = mean``.
 CBN (SPEC §1.1, with ``T = S2 / s_u``): ``a = gamma / (rho * s_u)``, ``q = r_sig / s``,
 ``w = (mu_U - beta) + r_mu * d``, ``d = mu_B - mu_U + beta``.
+
+Operators. Every operator of distnorm is declared here, through one
+:class:`torch.library.Library` (the ``distnorm`` namespace), with a fake kernel for
+``torch.compile``; each schema is read from its kernel's signature:
+
+* ``distnorm::cbn_statistics``, ``bn_statistics``, ``bnp_statistics`` and
+  ``normalize_backward``: a layer's statistics step and its backward. Eager mode calls the
+  functions directly; under ``torch.compile`` they run as these opaque operators, which
+  declare the buffers they mutate. That is what makes the compiled model equal the eager
+  one: the compiler cannot recompute the statistics from buffers the step has already
+  updated, cannot move a collective, and saves the plan for the backward instead of
+  re-deriving it. Inside, the operators run the eager code at run time, so host-side
+  decisions (synchronize or not, skip the masked path) are made per call, never baked
+  into a graph.
+* ``distnorm::cbn_plan``, ``cbn_param_grads``, ``shift_slope``: the per-channel steps, one
+  operator each in every mode (kernels: :mod:`distnorm._fused`), so a GPU launches one
+  kernel where ATen would launch some thirty.
+
+The operators run with autograd off (inside the statistics step and the hand-written
+backward), so none needs an autograd formula; declaring them on a
+:class:`~torch.library.Library` rather than with ``torch.library.custom_op`` spares every
+call that decorator's Python wrapper, whose host time is what the fusion saves on a GPU
+(figures: ``docs/reference/benchmarks.md``).
+
+A layer's :class:`NormState` reaches an operator as an integer key (operator schemas take
+tensors and scalars only); :meth:`NormState.of_layer` registers a module's state, held
+weakly. The functional API has no module to hold a state: its calls reach the operators with
+the key ``-1`` and a short text of their configuration, from which the operator rebuilds
+the state at run time — the compiled graph holds the text as a constant, so nothing has to
+stay registered for it.
+
+CUDA graphs. ``torch.compile(mode="reduce-overhead")`` captures a graph's kernels once and
+replays them; the host decisions inside these operators (AMAT's history branch and
+initialisation, the checkpoint stash, host counts, the group's agreement on the
+per-channel kernels) would never run again, and a schedule crossing ``eta = 0`` would
+replay the wrong branch. So every operator carries ``torch.Tag.cudagraph_unsafe``: Inductor
+then runs it outside the captured graphs (graph partitions) or captures nothing of that
+graph. A torch without the tag cannot be told, and there a compilation that would capture
+CUDA graphs is refused (:func:`_refuse_cuda_graphs`).
 
 Kernel contracts. The CUDA kernels of the batch-norm family demand more than their CPU
 twins; every call below gives them what CUDA needs, on every device, and
@@ -55,12 +98,18 @@ twins; every call below gives them what CUDA needs, on every device, and
 from __future__ import annotations
 
 import copy
+import functools
+import itertools
+import sys
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-from distnorm import _collectives, _fused
+from distnorm import _bnp_functions, _collectives, _fused
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._fused import grad_coef_of, neg_inverse_count, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
@@ -69,14 +118,19 @@ __all__ = [
     "CBNBuffers",
     "NormPlan",
     "NormState",
+    "NormalizeFunction",
     "bn_statistics",
+    "bnp_statistics",
     "cbn_statistics",
     "channel_affine",
     "forward_output",
+    "normalize",
     "normalize_backward",
+    "register",
 ]
 
 
+# ----------------------------------------------------------------------- state
 @dataclass(eq=False)
 class NormState:
     """What the mathematics needs to know about one layer, in one small structure.
@@ -90,6 +144,7 @@ class NormState:
         eps, momentum: hyper-parameters.
         rho, r_max: CBN's (``rho = kappa``, ``r_max = 1`` for POP-Norm); ``None`` for BN.
         process_group, sync: what to synchronize over.
+        eval_stats: CBN's statistics at evaluation (``"auto"``, ``"amat"``, ``"running"``).
         history: AMAT blends in history at this step (``eta > 0``); known from ``set_lr``.
         amat_ready: the AMAT buffers are initialised on every rank (the host saw it happen).
         stats_sink: dict the theory monitors read the last batch statistics from, or None
@@ -105,24 +160,37 @@ class NormState:
     r_max: float | None = None
     process_group: ProcessGroup | None = None
     sync: bool = True
+    eval_stats: str | None = None
     history: bool = False
     amat_ready: bool = False
     stats_sink: dict | None = None
     stash: Stash | None = field(default=None, repr=False)  # made at the first stash (a layer makes its own)
     pending: StashedPlan | None = field(default=None, repr=False)
-    key: int = field(default=-1, repr=False)  # registry key of distnorm._ops (torch.compile)
+    key: int = field(default=-1, repr=False)  # registry key (a module's state; -1: a functional call's)
+
+    @classmethod
+    def of_layer(cls, kind: str, name: str, **fields: Any) -> "NormState":
+        """A module's state: kept across its calls, with its own stash, and registered."""
+        return cls(kind, name, stash=Stash(), **fields).registered()
+
+    def registered(self) -> "NormState":
+        """This state, registered (once): a module's, which the compiled operators find by key."""
+        register(self)
+        return self
 
     def group(self) -> ProcessGroup | None:
         return _collectives.sync_group(self.process_group) if self.sync else None
 
     def __getstate__(self) -> dict[str, Any]:  # pickling / deepcopy: runtime fields reset
         state = dict(self.__dict__)
-        state.update(stash=None, pending=None, key=-1, stats_sink=None)
+        state.update(stash=None, pending=None, stats_sink=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.stash = Stash()
+        if self.key >= 0:  # a module's state: the copy gets a key of its own
+            register(self)
 
     def __deepcopy__(self, memo: dict) -> "NormState":
         new = NormState.__new__(NormState)
@@ -137,16 +205,16 @@ class CBNBuffers(NamedTuple):
     """The statistics a CBN / POP-Norm layer keeps (its buffers), updated in place by a
     training call. ``CBNBuffers.fresh(c)`` gives new ones for ``c`` channels."""
 
-    amat_mean: torch.Tensor
-    amat_var: torch.Tensor
-    amat_initialized: torch.Tensor
-    running_mean: torch.Tensor
-    running_var: torch.Tensor
-    num_batches_tracked: torch.Tensor
+    amat_mean: Tensor
+    amat_var: Tensor
+    amat_initialized: Tensor
+    running_mean: Tensor
+    running_var: Tensor
+    num_batches_tracked: Tensor
 
     @classmethod
     def fresh(cls, channels: int, *, dtype: torch.dtype = torch.float32, device: Any = None) -> "CBNBuffers":
-        def vec(value: float) -> torch.Tensor:
+        def vec(value: float) -> Tensor:
             return torch.full((channels,), value, dtype=dtype, device=device)
 
         return cls(vec(0.0), vec(1.0), torch.zeros((), dtype=torch.bool, device=device), vec(0.0), vec(1.0),
@@ -165,54 +233,142 @@ class NormPlan(NamedTuple):
             affine) that kernel takes.
         grad_coef: ``(2, 2, C)``, maps the global ``[S1, T]`` to ``[D, B]`` (zeros, unread,
             for unsynchronized BN).
-        beta_coef: ``q * d`` of CBN's ``dbeta = a * (S1 - q d T)`` (local sums); empty for BN.
+        beta_coef: ``q * d`` of CBN's ``dbeta = a (S1 - q d T)`` (local sums); empty for BN.
     """
 
-    center: torch.Tensor
-    var: torch.Tensor
-    invstd: torch.Tensor
-    grad_scale: torch.Tensor
-    grad_coef: torch.Tensor
-    beta_coef: torch.Tensor
+    center: Tensor
+    var: Tensor
+    invstd: Tensor
+    grad_scale: Tensor
+    grad_coef: Tensor
+    beta_coef: Tensor
 
 
-def _begin(x: torch.Tensor, state: Any, replay: bool) -> Any:
-    """A recomputed forward (activation checkpointing) reuses the first forward's plan."""
-    if replay and in_backward():
-        return _stash_of(state).pop(x.shape, state.name)
-    return None
+# ------------------------------------------------------------------- the step
+def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
+              eta: Tensor | None, state: NormState) -> Tensor:
+    """A training step of a synchronized layer: the statistics of ``x`` (one all-reduce; the
+    buffers updated), then ``y = scale * (x - center) / sqrt(var + eps) + shift``, whose
+    backward (one all-reduce) is :class:`NormalizeFunction`'s.
+
+    ``buffers``: a :class:`CBNBuffers` for CBN / POP-Norm, with ``eta`` AMAT's (0-dim);
+    ``(running_mean, running_var, num_batches_tracked)`` for BN, any of them None.
+    """
+    if torch.compiler.is_compiling():
+        plan = _compiled_statistics(x, weight, bias, buffers, eta, state)
+    else:
+        plan = _eager_statistics(x, weight, bias, buffers, eta, state)
+    return NormalizeFunction.apply(x, weight, bias, plan, state)
 
 
-def _stash_of(state: Any) -> Stash:
+def _eager_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
+                      eta: Tensor | None, state: NormState) -> NormPlan:
+    """The statistics step — or, in a forward that activation checkpointing recomputes
+    during the backward pass, the plan its first forward stashed (no collective, no buffer
+    update)."""
+    stash = _stash_of(state)
+    if in_backward():
+        return stash.pop(x.shape, state.name)
+    if state.kind == "bn":
+        plan = bn_statistics(x, weight, buffers, state)
+    else:
+        plan = cbn_statistics(x, weight, bias, buffers, eta, state)
+    stashed = StashedPlan(plan, x.shape)
+    grad_enabled = torch.is_grad_enabled()  # the caller's: the statistics ran under no_grad
+    stash.push(stashed, grad_enabled=grad_enabled)
+    state.pending = stashed if grad_enabled else None  # the autograd node keeps it alive
+    return plan
+
+
+def _stash_of(state: NormState) -> Stash:
     if state.stash is None:  # created here, not in NormState(): torch.compile traces the functional API's
         state.stash = Stash()
     return state.stash
 
 
-def _finish(plan: Any, x: torch.Tensor, state: Any, replay: bool) -> Any:
-    """Stash the plan of a first forward for a possible recomputation (eager mode)."""
-    if not replay:
-        return plan
-    stashed = StashedPlan(plan, x.shape)
-    grad_enabled = torch.is_grad_enabled()
-    _stash_of(state).push(stashed, grad_enabled=grad_enabled)
-    state.pending = stashed if grad_enabled else None  # the autograd node keeps it alive
-    return plan
+def _compiled_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
+                         eta: Tensor | None, state: NormState) -> NormPlan:
+    """The statistics step as an opaque operator (``torch.compile``): detached inputs, since
+    the operators have no autograd formula of their own."""
+    key, config = state.key, _config_of(state)
+    if state.kind == "bn":
+        return NormPlan(*torch.ops.distnorm.bn_statistics(x.detach(), _detached(weight), *buffers, key, config))
+    return NormPlan(*torch.ops.distnorm.cbn_statistics(x.detach(), weight.detach(), bias.detach(), list(buffers), eta,
+                                                       key, config))
 
 
-# --------------------------------------------------------------------------- statistics
+def _detached(t: Tensor | None) -> Tensor | None:
+    return t.detach() if t is not None else None
+
+
+class NormalizeFunction(torch.autograd.Function):
+    """``y = scale * (x - center) / sqrt(var + eps) + shift`` with the statistics' backward.
+
+    ``plan`` (a :class:`NormPlan`) takes no gradient: its dependence on ``x`` and the
+    parameters is in the hand-written backward. ``state`` is the layer's :class:`NormState`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, plan: NormPlan,
+                state: NormState) -> Tensor:
+        y = forward_output(x, weight, bias, plan.center, plan.var, state)
+        ctx.save_for_backward(x, plan.center, plan.invstd, plan.grad_scale, plan.grad_coef, plan.beta_coef)
+        ctx.state = state
+        ctx.weight_dtype = weight.dtype if weight is not None else None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if not torch.compiler.is_compiling():
+            ctx.stashed = state.pending  # keeps the stashed plan alive as long as this node
+            state.pending = None
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, *saved = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_out = grad_out.contiguous(memory_format=_memory_format(x))
+        if torch.compiler.is_compiling():
+            state = ctx.state
+            grad_x, grad_w, grad_b = torch.ops.distnorm.normalize_backward(grad_out, x, saved, need_x, state.key,
+                                                                           _config_of(state))
+        else:
+            grad_x, grad_w, grad_b = normalize_backward(grad_out, x, saved, need_x, ctx.state)
+        return (
+            grad_x if need_x else None,
+            to_dtype(grad_w, ctx.weight_dtype) if need_w else None,
+            to_dtype(grad_b, ctx.bias_dtype) if need_b else None,
+            None, None,
+        )
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Tensor, Tensor, Any]:
+    """BNP's statistics step on a preconditioned layer's input ``h``
+    (:func:`distnorm._bnp_functions.layer_statistics`): eager, or the operator
+    ``distnorm::bnp_statistics`` under ``torch.compile``. ``state``: the layer's
+    :class:`~distnorm._bnp_functions.BNPLayerState`, registered (:func:`register`)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.distnorm.bnp_statistics(h.detach(), mean, var, state.key)
+    return _bnp_functions.layer_statistics(h, mean, var, state)
+
+
+# ------------------------------------------------------------------ statistics
 @torch.no_grad()
-def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: torch.Tensor | None,
-                  running_var: torch.Tensor | None, num_batches_tracked: torch.Tensor | None,
-                  state: NormState, replay: bool = True) -> NormPlan:
+def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | None], state: NormState) -> NormPlan:
     """Batch normalization over the global batch (SPEC §3): the plan, and running stats.
 
     ``mean``, ``var`` are the global batch mean and biased variance; ``a = weight * invstd``,
     and the backward coefficients are those of ``torch.nn.BatchNorm*`` on the global batch.
+    ``buffers``: ``(running_mean, running_var, num_batches_tracked)``, any of them None.
     """
-    replayed = _begin(x, state, replay)
-    if replayed is not None:
-        return replayed
+    running_mean, running_var, num_batches_tracked = buffers
     group = state.group()
     votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
     moments = _collectives.global_moments(x, group, layer=state.name, piggyback=votes)
@@ -233,36 +389,37 @@ def bn_statistics(x: torch.Tensor, weight: torch.Tensor | None, running_mean: to
         grad_coef = grad_coef_of(neg_inverse_count(a, count), invstd, one, mean)
     plan = NormPlan(mean, var, invstd, a, grad_coef, _ZEROS.get((0,), acc, mean.device))
     update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
-    return _finish(plan, x, state, replay)
+    return plan
 
 
 @torch.no_grad()
-def cbn_statistics(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: CBNBuffers,
-                   amat_eta: torch.Tensor, state: NormState, replay: bool = True) -> NormPlan:
+def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Tensor], eta: Tensor,
+                   state: NormState) -> NormPlan:
     """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history): the
-    global moments (one all-reduce), then one fused operator, ``distnorm::cbn_plan``, for
-    the per-channel algebra and the buffer updates (:func:`distnorm._fused.cbn_plan_composite`
-    gives the maths). ``state.history`` says whether ``amat_eta`` is > 0.
+    global moments (one all-reduce), then one operator, ``distnorm::cbn_plan``, for the
+    per-channel algebra and the buffer updates (:func:`distnorm._fused.cbn_plan_composite`
+    gives the maths). ``state.history`` says whether ``eta`` is > 0.
     """
-    replayed = _begin(x, state, replay)
-    if replayed is not None:
-        return replayed
     group = state.group()
     votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
-    count, mu_b, var_x, valid = _collectives.global_moments(x, group, layer=state.name, piggyback=votes)
+    count, mean, var, valid = _collectives.global_moments(x, group, layer=state.name, piggyback=votes)
     triton = _fused.triton_decision(group, x.device, votes)
-    host_count = count if isinstance(count, int) else -1
-    args = (mu_b, var_x, None if isinstance(count, int) else count, host_count, valid is True, weight, bias,
-            amat_eta, *buffers, state.eps, state.momentum, state.rho, state.r_max, state.history, state.amat_ready)
-    plan = NormPlan(*torch.ops.distnorm.cbn_plan(*args, triton))
+    if isinstance(count, int):
+        host_count, moments = count, [mean, var]
+    else:
+        host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
+    params = [weight, bias, eta] if state.history else [weight, bias]
+    hyper = [float(state.eps), float(state.rho), float(state.r_max)]
+    plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
+                                                 state.amat_ready, triton))
     if state.stats_sink is not None:
         # Theory monitors (distnorm.monitors) read the operator's own inputs and outputs, the
         # values every rank computes: references, no op and no second computation, so a rank
         # with a monitor runs exactly the arithmetic of the others.
-        state.stats_sink.update(mean=mu_b, var=var_x, center=plan.center, eps=state.eps)
+        state.stats_sink.update(mean=mean, var=var, center=plan.center, eps=state.eps)
     if valid is True:
         state.amat_ready = True  # the host saw the AMAT buffers initialised
-    return _finish(plan, x, state, replay)
+    return plan
 
 
 class _ZerosCache:
@@ -271,9 +428,9 @@ class _ZerosCache:
     shapes the compiled operators declare."""
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[tuple[int, ...], torch.dtype, torch.device], torch.Tensor] = {}
+        self._cache: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
 
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         key = (shape, dtype, device)
         if key not in self._cache:
             self._cache[key] = torch.zeros(shape, dtype=dtype, device=device)
@@ -284,11 +441,11 @@ _ZEROS = _ZerosCache()
 
 
 # ---------------------------------------------------------------- forward / backward
-def _view(v: torch.Tensor, ndim: int) -> torch.Tensor:
+def _view(v: Tensor, ndim: int) -> Tensor:
     return v.view([1, -1] + [1] * (ndim - 2))
 
 
-def channel_affine(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def channel_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     """``scale[c] * x + shift[c]`` per channel, in ``x``'s dtype and memory format.
 
     ATen's inference batch norm with mean 0, variance 1 and eps 0 (so ``1/sqrt(var + eps)``
@@ -307,8 +464,8 @@ def channel_affine(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) ->
     return torch.ops.aten.native_batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0)[0]
 
 
-def forward_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                   center: torch.Tensor, var: torch.Tensor, state: NormState) -> torch.Tensor:
+def forward_output(x: Tensor, weight: Tensor | None, bias: Tensor | None, center: Tensor, var: Tensor,
+                   state: NormState) -> Tensor:
     """``scale * (x - center) / sqrt(var + eps) + shift``: ATen's inference batch norm.
 
     BN: ``scale, shift = weight, bias``; CBN: ``scale = gamma / rho``, no shift (beta is in
@@ -328,16 +485,17 @@ def forward_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Ten
 
 
 @torch.no_grad()
-def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Tensor, invstd: torch.Tensor,
-                       grad_scale: torch.Tensor, grad_coef: torch.Tensor, beta_coef: torch.Tensor,
-                       need_input_grad: bool, state: NormState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], need_input_grad: bool,
+                       state: NormState) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_x, grad_weight, grad_bias)`` in the accumulation dtype (see the module plan).
 
-    ``grad_x`` is an empty tensor when ``need_input_grad`` is false (no collective then).
+    ``saved``: the plan's ``(center, invstd, grad_scale, grad_coef, beta_coef)``. ``grad_x``
+    is an empty tensor when ``need_input_grad`` is false (no collective then).
     """
+    center, invstd, grad_scale, grad_coef, beta_coef = saved
     channels = center.shape[0]
     if state.kind == "bn" and state.group() is None:
-        return _local_batch_norm_backward(grad_out, x, center, invstd, grad_scale, need_input_grad, state)
+        return _local_batch_norm_backward(grad_out, x, saved, need_input_grad, state)
     if x.numel() > 0:
         # Kernel contract (batch_norm_backward_cuda): train=True makes both kernels read
         # save_mean / save_invstd, which CUDA asserts are defined; the mask [False, True,
@@ -373,16 +531,205 @@ def normalize_backward(grad_out: torch.Tensor, x: torch.Tensor, center: torch.Te
     return grad_x, grad_weight, grad_bias
 
 
-def _local_batch_norm_backward(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
-                               weight: torch.Tensor, need_input_grad: bool,
-                               state: NormState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _local_batch_norm_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], need_input_grad: bool,
+                               state: NormState) -> tuple[Tensor, Tensor, Tensor]:
     """Batch normalization without synchronization: the global sums are this rank's, so
     ATen's training backward computes ``dx``, ``dweight`` and ``dbias`` in one kernel, as
-    for ``torch.nn.BatchNorm*`` (``weight``: the layer's, or ones, in the accumulation
-    dtype). Kernel contract: ``train=True`` reads the defined ``save_mean`` /
-    ``save_invstd``; the weight is defined whenever its gradients are asked for."""
+    for ``torch.nn.BatchNorm*`` (the plan's ``grad_scale``: the layer's weight, or ones, in
+    the accumulation dtype). Kernel contract: ``train=True`` reads the defined
+    ``save_mean`` / ``save_invstd``; the weight is defined whenever its gradients are asked
+    for."""
+    mean, invstd, weight = saved[:3]
     grad_x, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
         grad_out, x, weight, None, None, mean, invstd, True, state.eps, [need_input_grad, True, True])
     if not need_input_grad:
         grad_x = torch.empty(0, dtype=x.dtype, device=x.device)
     return grad_x, grad_weight, grad_bias
+
+
+# ---------------------------------------------------- the states the operators find
+_STATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+def register(state: Any) -> int:
+    """The key under which the operators find ``state`` (a module's :class:`NormState`, a
+    BNP layer's state), assigned once per object and held weakly."""
+    key = getattr(state, "key", -1)
+    if key < 0 or _STATES.get(key) is not state:
+        key = next(_KEYS)
+        _STATES[key] = state
+        state.key = key
+    return key
+
+
+def _state_of(key: int, config: str = "") -> Any:
+    """The state registered under ``key``, or, for ``key = -1``, the state of the functional
+    call described by ``config`` (:func:`_config_of`)."""
+    if key < 0 and config:
+        return _functional_state(config)
+    state = _STATES.get(key)
+    if state is None:
+        raise RuntimeError(f"distnorm: no layer is registered under key {key} (was it garbage-collected?)")
+    return state
+
+
+_SEP = "|"
+
+
+def _config_of(state: NormState) -> str:
+    """``""`` for a registered module's state; for a functional call's, the text the operators
+    rebuild it from: kind, hyper-parameters, synchronization, history, group name, layer name
+    (last: it may contain the separator). Traceable by ``torch.compile``, which folds it into
+    a constant of the graph (guarded on the values it reads)."""
+    if state.key >= 0:
+        return ""
+    group = "" if state.process_group is None else state.process_group.group_name
+    return _SEP.join((state.kind, f"{state.eps!r}", f"{state.momentum!r}", f"{state.rho!r}", f"{state.r_max!r}",
+                      f"{int(state.sync)}", f"{int(state.history)}", group, state.name))
+
+
+def _number(text: str) -> float | None:
+    return None if text == "None" else float(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _functional_state(config: str) -> NormState:
+    """The state of a functional call, rebuilt from its configuration (one per distinct
+    configuration: the stash is unused under compilation, and no other field changes)."""
+    kind, eps, momentum, rho, r_max, sync, history, group, name = config.split(_SEP, 8)
+    process_group = None
+    if group:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        process_group = _resolve_process_group(group)
+    eps_value = _number(eps)
+    assert eps_value is not None, config
+    return NormState(kind, name, eps_value, _number(momentum), rho=_number(rho), r_max=_number(r_max),
+                     process_group=process_group, sync=sync == "1", history=history == "1")
+
+
+# ------------------------------------------------------------------ the operators
+_LIB = torch.library.Library("distnorm", "FRAGMENT")
+
+#: ``torch.Tag.cudagraph_unsafe``, on every operator, where torch has the tag (>= 2.8);
+#: empty otherwise (then :func:`_refuse_cuda_graphs` guards).
+_UNSAFE_FOR_CUDA_GRAPHS: tuple = (
+    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ())
+
+
+def _refuse_cuda_graphs() -> None:
+    """Where the operators cannot be tagged unsafe for CUDA graphs: raise while Inductor
+    compiles a graph it would capture (``mode="reduce-overhead"``; run from the fake kernels,
+    which run inside that compilation)."""
+    if _UNSAFE_FOR_CUDA_GRAPHS:
+        return
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and getattr(config.triton, "cudagraphs", False):
+        raise RuntimeError(
+            f"distnorm: torch.compile(mode=\"reduce-overhead\") captures CUDA graphs and replays them, which would "
+            "replay the first step's decisions of distnorm's layers (AMAT's history branch and initialisation, "
+            "activation checkpointing, the synchronized statistics) at every step. This torch "
+            f"({torch.__version__}) cannot mark distnorm's operators unsafe for CUDA graphs "
+            "(torch.Tag.cudagraph_unsafe needs torch >= 2.8). Compile with "
+            "mode=\"default\" or mode=\"max-autotune-no-cudagraphs\", or upgrade torch.")
+
+
+def _define(name: str, kernel: Callable, fake: Callable, mutates: tuple[str, ...] = ()) -> None:
+    """Declare ``distnorm::<name>`` with ``kernel``'s signature (its schema inferred, the
+    ``mutates`` arguments annotated), register ``kernel`` for every device
+    (``CompositeExplicitAutograd``) and ``fake`` for ``torch.compile``."""
+    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates), tags=_UNSAFE_FOR_CUDA_GRAPHS)
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"distnorm::{name}", fake, lib=_LIB)
+
+
+def _fresh(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """An operator's outputs must not alias one another or anything else: copy them."""
+    return tuple(t.clone() for t in tensors)
+
+
+def _plan_like(like: Tensor, channels: int, *, beta_coef: bool = True) -> tuple[Tensor, ...]:
+    """Empty tensors of a :class:`NormPlan`'s shapes, in ``like``'s dtype (fake kernels)."""
+    vec = lambda *shape: like.new_empty(shape)  # noqa: E731
+    return (vec(channels), vec(channels), vec(channels), vec(channels), vec(2, 2, channels),
+            vec(channels) if beta_coef else vec(0))
+
+
+def _accumulating(x: Tensor) -> Tensor:
+    """A 0-dim tensor of ``x``'s accumulation dtype on its device (fake kernels)."""
+    return x.new_empty((), dtype=_collectives.accumulate_dtype(x))
+
+
+# The per-channel steps (kernels: distnorm._fused).
+def _cbn_plan_fake(moments: list[Tensor], *_: Any) -> tuple[Tensor, ...]:
+    return _plan_like(moments[0], moments[0].shape[0])
+
+
+def _cbn_param_grads_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor]:
+    return s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1)
+
+
+def _shift_slope_fake(grad_coef: Tensor, sums: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
+    return sums.new_empty(sums.shape[1]), sums.new_empty(sums.shape[1])
+
+
+_define("cbn_plan", _fused.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
+_define("cbn_param_grads", _fused.cbn_param_grads, _cbn_param_grads_fake)
+_define("shift_slope", _fused.shift_slope, _shift_slope_fake)
+
+
+# A layer's statistics step and backward, run by the compiled graphs.
+def _bn_statistics_kernel(x: Tensor, weight: Optional[Tensor], running_mean: Optional[Tensor],
+                          running_var: Optional[Tensor], num_batches_tracked: Optional[Tensor], key: int,
+                          config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    buffers = (running_mean, running_var, num_batches_tracked)
+    return _fresh(bn_statistics(x, weight, buffers, _state_of(key, config)))
+
+
+def _bn_statistics_fake(x: Tensor, *_: Any) -> tuple[Tensor, ...]:
+    _refuse_cuda_graphs()
+    return _plan_like(_accumulating(x), x.shape[1], beta_coef=False)
+
+
+def _cbn_statistics_kernel(x: Tensor, weight: Tensor, bias: Tensor, buffers: list[Tensor], eta: Tensor, key: int,
+                           config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _fresh(cbn_statistics(x, weight, bias, buffers, eta, _state_of(key, config)))
+
+
+def _cbn_statistics_fake(x: Tensor, *_: Any) -> tuple[Tensor, ...]:
+    _refuse_cuda_graphs()
+    return _plan_like(_accumulating(x), x.shape[1])
+
+
+def _normalize_backward_kernel(grad_out: Tensor, x: Tensor, saved: list[Tensor], need_input_grad: bool, key: int,
+                               config: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _fresh(normalize_backward(grad_out, x, saved, need_input_grad, _state_of(key, config)))
+
+
+def _normalize_backward_fake(grad_out: Tensor, x: Tensor, saved: list[Tensor], need_input_grad: bool,
+                             *_: Any) -> tuple[Tensor, Tensor, Tensor]:
+    _refuse_cuda_graphs()
+    channels, center = x.shape[1], saved[0]
+    grad_x = torch.empty_like(x) if need_input_grad else x.new_empty(0)
+    return grad_x, center.new_empty(channels), center.new_empty(channels)
+
+
+def _bnp_statistics_kernel(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
+    new_mean, var_t, count = _bnp_functions.layer_statistics(h, mean, var, _state_of(key), replay=False)
+    if not isinstance(count, Tensor):  # a host count (local statistics): an operator returns tensors
+        # torch.full, not torch.tensor: a fill kernel instead of a host-to-device copy + sync
+        count = torch.full((), float(count), dtype=new_mean.dtype, device=new_mean.device)
+    return _fresh((new_mean, var_t, count))
+
+
+def _bnp_statistics_fake(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
+    _refuse_cuda_graphs()
+    return mean.new_empty(mean.shape), var.new_empty(var.shape), mean.new_empty(())
+
+
+_define("bn_statistics", _bn_statistics_kernel, _bn_statistics_fake,
+        mutates=("running_mean", "running_var", "num_batches_tracked"))
+_define("cbn_statistics", _cbn_statistics_kernel, _cbn_statistics_fake, mutates=("buffers",))
+_define("normalize_backward", _normalize_backward_kernel, _normalize_backward_fake)
+_define("bnp_statistics", _bnp_statistics_kernel, _bnp_statistics_fake, mutates=("mean", "var"))

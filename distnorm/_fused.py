@@ -1,18 +1,19 @@
-"""The per-channel steps of a CBN / POP-Norm training step, one operator each.
+"""The per-channel steps of a CBN / POP-Norm training step: their two kernels, and which runs.
 
 Between its two passes over the input, a layer step does per-channel algebra on vectors of
 length C: the AMAT blend, the ratios, the backward coefficients, the buffer updates. Written
 as ATen calls that is some thirty small kernels per layer per step; on a GPU each is a launch
-the host pays for, more than the arithmetic. So each step is one custom operator:
+the host pays for, more than the arithmetic. So each step is one operator, declared with the
+others in :mod:`distnorm._functions`, whose kernel is the function of the same name here:
 
-``distnorm::cbn_plan``
+``distnorm::cbn_plan`` (:func:`cbn_plan`)
     The statistics' finalize: from the global ``(mean, var, count)`` to the plan
     ``(center, var_U, invstd, a, grad_coef, beta_coef)``, and the AMAT and running buffers
     updated in place (see :func:`cbn_plan_composite` for the maths).
-``distnorm::cbn_param_grads``
+``distnorm::cbn_param_grads`` (:func:`cbn_param_grads`)
     The backward's local step: ``sums = [S1, T]`` for the all-reduce, and the local
     parameter gradients ``dgamma = T / rho``, ``dbeta = a (S1 - q d T)``.
-``distnorm::shift_slope``
+``distnorm::shift_slope`` (:func:`shift_slope`)
     The backward's global step: ``[D, B] = grad_coef @ sums``, per channel.
 
 Each operator has two implementations: the ATen composite below (the reference, and what
@@ -54,8 +55,7 @@ works; ``0`` the composite everywhere; ``interpret`` the Triton kernels on every
 CPU included, through Triton's interpreter (slow: to run the Triton path without a GPU, as
 the tests do). The op counter of the tests (``tests/dispatch.py``) sees each operator as one
 op, which is what a GPU launches; ``tests/test_fused.py`` checks the kernels against the
-composite through the interpreter. Under ``torch.compile`` the operators have fake kernels,
-so a graph can hold them.
+composite through the interpreter.
 
 The helpers below (:func:`blend`, :func:`update_running`, :func:`grad_coef_of`,
 :func:`neg_inverse_count`) are shared with batch normalization's statistics in
@@ -71,7 +71,7 @@ import importlib.util
 import os
 import warnings
 from types import ModuleType
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -79,9 +79,10 @@ from torch import Tensor
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, constant
 
-__all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_plan", "cbn_plan_composite", "grad_coef_of",
-           "interpreted_kernels", "load_interpreted", "neg_inverse_count", "shift_slope", "to_dtype", "triton_decision",
-           "triton_enabled", "triton_state", "triton_vote", "update_running"]
+__all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_param_grads_composite", "cbn_plan", "cbn_plan_composite",
+           "grad_coef_of", "interpreted_kernels", "load_interpreted", "neg_inverse_count", "shift_slope",
+           "shift_slope_composite", "to_dtype", "triton_decision", "triton_enabled", "triton_state", "triton_vote",
+           "update_running"]
 
 
 # ------------------------------------------------------------------------- helpers
@@ -145,14 +146,11 @@ def update_running(running_mean: Tensor | None, running_var: Tensor | None, num_
 
 
 # ------------------------------------------------------------------ distnorm::cbn_plan
-def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_count: int, valid_known: bool,
-                       weight: Tensor, bias: Tensor, eta: Tensor, amat_mean: Tensor, amat_var: Tensor,
-                       amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor,
-                       num_batches_tracked: Tensor, eps: float, momentum: Optional[float], rho: float,
-                       r_max: float, history: bool, amat_ready: bool) -> tuple[Tensor, ...]:
+def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Sequence[Tensor], buffers: Sequence[Tensor],
+                       hyper: Sequence[float], momentum: Optional[float], amat_ready: bool) -> tuple[Tensor, ...]:
     """CBN's per-channel step (SPEC §1; POP-Norm: ``rho = 1``, ``r_max = 1``), in ATen calls.
 
-    Per channel, with ``mu_B = mean``, ``var(x) = var`` and ``eta`` (``history``: eta > 0)::
+    Per channel, with ``mu_B = mean``, ``var(x) = var`` and ``eta`` (given when history blends in)::
 
         mu_U  = mu_B + eta (mu_A - mu_B)          d = mu_B - mu_U + beta
         var_B = var(x) + d^2                      var_U = var_B + eta (var_A - var_B)
@@ -165,47 +163,37 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
     statistics, so that step is plain CBN — and the running ones blend in ``(mu_B, var(x)
     n / (n - 1))``.
 
-    The count is ``count`` (a device tensor, synchronized layers) or ``host_count``; the
-    step is valid (buffers updated) when it exceeds 1: known on the host when
-    ``valid_known`` or for a host count, else masked on the device.
+    Args:
+        moments: the global statistics as :func:`distnorm._collectives.global_moments` gives
+            them: ``[mean, var]`` with a host count; ``[mean, var, count]`` with a device count
+            when the host knows the batch is valid (more than one value per channel);
+            ``[mean, var, count, valid]`` when only the device knows (the update is masked).
+        host_count: the count when the host knows it, else -1.
+        params: ``[weight, bias]``, and ``eta`` (0-dim) when history blends in (``eta > 0``,
+            or a tensor learning rate the host does not read).
+        buffers: the six CBN buffers (:class:`distnorm._functions.CBNBuffers` order), updated
+            in place.
+        hyper: ``[eps, rho, r_max]``.
+        momentum: the running statistics' (``None``: cumulative average).
+        amat_ready: the host saw the AMAT buffers initialised (no device-side check needed).
 
     Returns ``(center, var_U, invstd, a, grad_coef, beta_coef)``, all new tensors.
     """
-    n: int | Tensor = host_count if count is None else count
-    valid: bool | Tensor = host_count > 1 if count is None else (True if valid_known else count > 1)
-    acc = mean.dtype
-    channels = mean.shape[0]
-    mu_b, var_x = mean, var
+    mu_b, var_x, *device = moments
+    n: int | Tensor = device[0] if device else host_count
+    valid: bool | Tensor = host_count > 1 if not device else (device[1] if len(device) > 1 else True)
+    weight, bias, *eta = params
+    eps, rho, r_max = hyper
+    acc = mu_b.dtype
     beta = to_dtype(bias, acc)
-    one = constant(1.0, channels, acc, mean.device)
-
-    if history:
-        eta_acc = to_dtype(eta, acc)
-        mu_a, var_a = to_dtype(amat_mean, acc), to_dtype(amat_var, acc)
-        if not amat_ready:  # "update, then substitute" starts from this batch
-            mu_a = torch.where(amat_initialized, mu_a, mu_b)
-            var_a = torch.where(amat_initialized, var_a, torch.addcmul(var_x, beta, beta))
-        delta = mu_a - mu_b
-        mu_u = torch.addcmul(mu_b, delta, eta_acc)
-        d = torch.addcmul(beta, delta, eta_acc, value=-1.0)
-        var_b = torch.addcmul(var_x, d, d)
-        var_u = torch.lerp(var_b, var_a, eta_acc)
-        inv_s, invstd = torch._foreach_rsqrt_(torch._foreach_add([var_b, var_u], eps))
-        # Stop-gradient ratios. mu_U / mu_B explodes when the batch mean is near zero (tanh,
-        # centred inputs): use it only where both share a sign and |mu_B| > 0.1 sd(x)
-        # (mu_B^2 > 0.01 (var + eps)); clamp both. This changes only gradient scales.
-        r_sig = torch.div(inv_s, invstd).clamp_(1.0 / r_max, r_max)
-        q = r_sig * inv_s
-        ratio = mu_u / mu_b
-        meaningful = (ratio > 0) & (torch.addcmul(var_x, mu_b, mu_b, value=-100.0) < -eps)
-        r_mu = torch.where(meaningful, ratio.clamp_(1.0 / r_max, r_max), one)
-        center = mu_u - beta
-        w = torch.addcmul(center, r_mu, d)
+    if eta:
+        mu_u, d, var_u, invstd, q, r_mu, center, w = _with_history(mu_b, var_x, beta, to_dtype(eta[0], acc), buffers,
+                                                                   (eps, r_max), amat_ready)
     else:
         # No history (AMAT off, or eta = 0 at learning rates >= 1/omega): mu_U = mu_B,
         # var_U = var_B = var(x) + beta^2, both ratios exactly 1.
-        mu_u, d, r_mu = mu_b, beta, one
-        var_b = var_u = torch.addcmul(var_x, beta, beta)
+        mu_u, d, r_mu = mu_b, beta, constant(1.0, mu_b.shape[0], acc, mu_b.device)
+        var_u = torch.addcmul(var_x, beta, beta)
         invstd = q = torch.rsqrt(var_u + eps)
         center = mu_b - beta
         w = mu_b  # (mu_U - beta) + d
@@ -215,7 +203,47 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
         a.mul_(1.0 / rho)
     grad_coef = grad_coef_of(neg_inverse_count(a, n), q, r_mu, w)
     beta_coef = q * d
+    _update_buffers(buffers, (mu_b, var_x, mu_u, var_u), n, momentum, valid, amat_ready)
+    return center, var_u, invstd, a, grad_coef, beta_coef
 
+
+def _with_history(mu_b: Tensor, var_x: Tensor, beta: Tensor, eta: Tensor, buffers: Sequence[Tensor],
+                  limits: tuple[float, float], amat_ready: bool) -> tuple[Tensor, ...]:
+    """The AMAT blend and the stop-gradient ratios: ``(mu_U, d, var_U, invstd, q, r_mu,
+    center, w)`` of :func:`cbn_plan_composite` (``limits``: ``eps`` and ``r_max``)."""
+    eps, r_max = limits
+    amat_mean, amat_var, amat_initialized = buffers[:3]
+    mu_a, var_a = to_dtype(amat_mean, mu_b.dtype), to_dtype(amat_var, mu_b.dtype)
+    if not amat_ready:  # "update, then substitute" starts from this batch
+        mu_a = torch.where(amat_initialized, mu_a, mu_b)
+        var_a = torch.where(amat_initialized, var_a, torch.addcmul(var_x, beta, beta))
+    delta = mu_a - mu_b
+    mu_u = torch.addcmul(mu_b, delta, eta)
+    d = torch.addcmul(beta, delta, eta, value=-1.0)
+    var_b = torch.addcmul(var_x, d, d)
+    var_u = torch.lerp(var_b, var_a, eta)
+    inv_s, invstd = torch._foreach_rsqrt_(torch._foreach_add([var_b, var_u], eps))
+    # Stop-gradient ratios. mu_U / mu_B explodes when the batch mean is near zero (tanh,
+    # centred inputs): use it only where both share a sign and |mu_B| > 0.1 sd(x)
+    # (mu_B^2 > 0.01 (var + eps)); clamp both. This changes only gradient scales.
+    r_sig = torch.div(inv_s, invstd).clamp_(1.0 / r_max, r_max)
+    q = r_sig * inv_s
+    ratio = mu_u / mu_b
+    meaningful = (ratio > 0) & (torch.addcmul(var_x, mu_b, mu_b, value=-100.0) < -eps)
+    one = constant(1.0, mu_b.shape[0], mu_b.dtype, mu_b.device)
+    r_mu = torch.where(meaningful, ratio.clamp_(1.0 / r_max, r_max), one)
+    center = mu_u - beta
+    w = torch.addcmul(center, r_mu, d)
+    return mu_u, d, var_u, invstd, q, r_mu, center, w
+
+
+def _update_buffers(buffers: Sequence[Tensor], stats: tuple[Tensor, ...], n: int | Tensor, momentum: Optional[float],
+                    valid: bool | Tensor, amat_ready: bool) -> None:
+    """AMAT buffers <- ``(mu_U, var_U)``; running statistics <- ``(mu_B, var(x))``, blended
+    (``stats``: ``(mu_B, var(x), mu_U, var_U)``); masked where only the device knows the
+    batch is valid (same values as the unmasked form)."""
+    amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked = buffers
+    mu_b, var_x, mu_u, var_u = stats
     if valid is True:
         torch._foreach_copy_([amat_mean, amat_var], [mu_u, var_u])
         if not amat_ready:
@@ -225,7 +253,6 @@ def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], host_
                                                      torch.where(valid, var_u, amat_var)])
         amat_initialized.logical_or_(valid[0])
     update_running(running_mean, running_var, num_batches_tracked, mu_b, var_x, n, momentum, valid)
-    return center, var_u, invstd, a, grad_coef, beta_coef
 
 
 # ------------------------------------------------------------------ which kernels run
@@ -324,15 +351,15 @@ def _probe(kernels: ModuleType, device: torch.device) -> None:
         return [mean * 0.5, var * 1.5, torch.ones((), dtype=torch.bool, device=device), mean * 0.1, var * 0.9,
                 torch.full((), 3, dtype=torch.long, device=device)]
 
-    args = (1e-5, 0.1, 1.5, 3.0)
+    moments, params, hyper = [mean, var, count], [weight, bias, eta], [1e-5, 1.5, 3.0]
     got_buffers, want_buffers = buffers(), buffers()
-    got = kernels.cbn_plan(mean, var, count, -1, weight, bias, eta, *got_buffers, *args, True)
-    want = cbn_plan_composite(mean, var, count, -1, True, weight, bias, eta, *want_buffers, *args, True, True)
+    got = kernels.cbn_plan(moments, -1, params, got_buffers, hyper, 0.1)
+    want = cbn_plan_composite(moments, -1, params, want_buffers, hyper, 0.1, True)
     coef, sums = want[4], torch.stack([mean, var])
     pairs = [*zip(got, want), *zip(got_buffers, want_buffers),
              *zip(kernels.cbn_param_grads(mean, var, weight, bias, 0.5),
-                  _cbn_param_grads_composite(mean, var, weight, bias, 0.5)),
-             *zip(kernels.shift_slope(coef, sums), _shift_slope_composite(coef, sums))]
+                  cbn_param_grads_composite(mean, var, weight, bias, 0.5)),
+             *zip(kernels.shift_slope(coef, sums), shift_slope_composite(coef, sums))]
     for i, (g, w) in enumerate(pairs):
         if not torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6):
             raise RuntimeError(f"the Triton kernels differ from the ATen composite here (output {i}: "
@@ -486,73 +513,39 @@ def _launch(name: str, device: torch.device, call: Callable[[ModuleType], tuple]
                            "DISTNORM_TRITON=0 on every rank to run the ATen composite instead.") from err
 
 
-_LIB = torch.library.Library("distnorm", "FRAGMENT")
+# ----------------------------------------------------- the operators' kernels
+#: The AMAT and running statistics among a CBN layer's buffers (the float ones).
+_STATISTICS = (0, 1, 3, 4)
 
 
-def _define(name: str, kernel: Callable, *, fake: Callable, mutates_args: tuple[str, ...] = ()) -> torch._ops.OpOverload:
-    """Declare ``distnorm::<name>`` with ``kernel``'s signature (its schema inferred, the
-    mutated arguments annotated) and register ``kernel`` for every device
-    (``CompositeExplicitAutograd``: its last argument, ``triton``, picks the Triton kernel or
-    the composite) and ``fake`` for ``torch.compile``.
-
-    Registered through :class:`torch.library.Library` rather than ``torch.library.custom_op``:
-    the operators run with autograd off (inside the statistics step and the hand-written
-    backward), so they need no autograd registration, and ``custom_op``'s Python wrapper
-    around every call costs ~100 us of host time for a 20-argument operator (measured on
-    the CPU machine, 2026-11-24) against ~10 us this way — host time being what the fusion
-    saves on a GPU. Returns the operator (``torch.ops.distnorm.<name>.default``)."""
-    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates_args))
-    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"distnorm::{name}", fake, lib=_LIB)
-    return getattr(torch.ops.distnorm, name).default
-
-
-_CBN_BUFFERS = ("amat_mean", "amat_var", "amat_initialized", "running_mean", "running_var", "num_batches_tracked")
-
-
-# ------------------------------------------------------------------ distnorm::cbn_plan
-def _triton_takes_plan(mean: Tensor, count: Optional[Tensor], host_count: int, buffers: tuple[Tensor, ...],
-                       others: tuple[Tensor, ...]) -> bool:
+def _triton_takes_plan(moments: Sequence[Tensor], host_count: int, params: Sequence[Tensor],
+                       buffers: Sequence[Tensor]) -> bool:
     """The Triton kernel's cases: float32 statistics and buffers, contiguous vectors, every
     tensor on the statistics' device, and a host count only when the batch is valid (the
     degenerate local case keeps the composite). The same answer on every rank of a group:
     it reads shapes, dtypes and devices, which the ranks share."""
-    vectors = (mean, *buffers) + (() if count is None else (count,))
-    return (mean.dtype == torch.float32 and all(b.dtype == torch.float32 for b in buffers)
-            and all(v.is_contiguous() for v in vectors) and (count is not None or host_count > 1)
-            and _on_one_device(mean, count, *buffers, *others))
+    mean, var, *device = moments
+    count = device[:1]  # [count] with a device count, else []
+    statistics = [buffers[i] for i in _STATISTICS]
+    return (mean.dtype == torch.float32 and all(b.dtype == torch.float32 for b in statistics)
+            and all(v.is_contiguous() for v in (mean, *statistics, *count)) and (bool(count) or host_count > 1)
+            and _on_one_device(mean, var, *count, *params, *buffers))
 
 
-def _cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], host_count: int, valid_known: bool,
-              weight: Tensor, bias: Tensor, eta: Tensor, amat_mean: Tensor, amat_var: Tensor,
-              amat_initialized: Tensor, running_mean: Tensor, running_var: Tensor, num_batches_tracked: Tensor,
-              eps: float, momentum: Optional[float], rho: float, r_max: float, history: bool,
-              amat_ready: bool, triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused CBN statistics step (:func:`cbn_plan_composite` for the maths); ``triton``:
-    the Triton kernel where it takes the case (:func:`triton_decision`)."""
-    if triton and _triton_takes_plan(mean, count, host_count, (amat_mean, amat_var, running_mean, running_var),
-                                     (var, weight, bias, eta, amat_initialized, num_batches_tracked)):
-        return _launch("cbn_plan", mean.device, lambda k: k.cbn_plan(
-            mean, var, count, host_count, weight.contiguous(), bias.contiguous(), eta, amat_mean, amat_var,
-            amat_initialized, running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max, history))
-    return cbn_plan_composite(mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var,
-                              amat_initialized, running_mean, running_var, num_batches_tracked, eps, momentum,
-                              rho, r_max, history, amat_ready)
+def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffers: list[Tensor], hyper: list[float],
+             momentum: Optional[float], amat_ready: bool, triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                                  Tensor]:
+    """The kernel of ``distnorm::cbn_plan``: :func:`cbn_plan_composite` (its arguments and
+    the maths), or with ``triton`` (:func:`triton_decision`) the Triton kernel where it takes
+    the case."""
+    if triton and _triton_takes_plan(moments, host_count, params, buffers):
+        return _launch("cbn_plan", moments[0].device,
+                       lambda k: k.cbn_plan(moments, host_count, params, buffers, hyper, momentum))
+    return cbn_plan_composite(moments, host_count, params, buffers, hyper, momentum, amat_ready)
 
 
-def _cbn_plan_fake(mean, var, count, host_count, valid_known, weight, bias, eta, amat_mean, amat_var,
-                   amat_initialized, running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max,
-                   history, amat_ready, triton):
-    channels = mean.shape[0]
-    return (*(mean.new_empty(channels) for _ in range(4)), mean.new_empty(2, 2, channels), mean.new_empty(channels))
-
-
-cbn_plan = _define("cbn_plan", _cbn_plan, fake=_cbn_plan_fake, mutates_args=_CBN_BUFFERS)
-
-
-# --------------------------------------------------------- distnorm::cbn_param_grads
-def _cbn_param_grads_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor,
-                               inv_rho: float) -> tuple[Tensor, Tensor, Tensor]:
+def cbn_param_grads_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor,
+                              inv_rho: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(sums, dgamma, dbeta)`` from the local sums ``S1 = sum(g)``, ``T``: ``sums = [S1, T]``
     (for the backward all-reduce), ``dgamma = T / rho`` and SPEC §1.1's ``dbeta = a (S1 - q d
     T)`` with the local/global roles exchanged — ``c_local * sum_global(x1)`` instead of
@@ -563,39 +556,24 @@ def _cbn_param_grads_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_sc
     return sums, t * inv_rho, grad_bias
 
 
-def _cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, inv_rho: float,
-                     triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The fused backward's local step (:func:`_cbn_param_grads_composite`)."""
+def cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, inv_rho: float,
+                    triton: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel of ``distnorm::cbn_param_grads`` (:func:`cbn_param_grads_composite`)."""
     if triton and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale):
         return _launch("cbn_param_grads", s1.device, lambda k: k.cbn_param_grads(
             s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), inv_rho))
-    return _cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
+    return cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
 
 
-def _cbn_param_grads_fake(s1, t, beta_coef, grad_scale, inv_rho, triton):
-    return s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1)
-
-
-cbn_param_grads = _define("cbn_param_grads", _cbn_param_grads, fake=_cbn_param_grads_fake)
-
-
-# ------------------------------------------------------------- distnorm::shift_slope
-def _shift_slope_composite(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
+def shift_slope_composite(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
     """``(D, B) = grad_coef @ [S1, T]`` per channel (``grad_coef``: ``(2, 2, C)``)."""
     shift, slope = (grad_coef * sums).sum(1).unbind()
     return shift, slope.clone()  # outputs of an operator may not share storage
 
 
-def _shift_slope(grad_coef: Tensor, sums: Tensor, triton: bool) -> tuple[Tensor, Tensor]:
-    """The fused backward's global step (:func:`_shift_slope_composite`)."""
+def shift_slope(grad_coef: Tensor, sums: Tensor, triton: bool) -> tuple[Tensor, Tensor]:
+    """The kernel of ``distnorm::shift_slope`` (:func:`shift_slope_composite`)."""
     if triton and sums.dtype == torch.float32 and _on_one_device(sums, grad_coef):
         return _launch("shift_slope", sums.device,
                        lambda k: k.shift_slope(grad_coef.contiguous(), sums.contiguous()))
-    return _shift_slope_composite(grad_coef, sums)
-
-
-def _shift_slope_fake(grad_coef, sums, triton):
-    return sums.new_empty(sums.shape[1]), sums.new_empty(sums.shape[1])
-
-
-shift_slope = _define("shift_slope", _shift_slope, fake=_shift_slope_fake)
+    return shift_slope_composite(grad_coef, sums)

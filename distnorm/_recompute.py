@@ -17,7 +17,8 @@ Lifetime of a stashed plan, so that the stash never grows:
 
 * grad-enabled forward (plain training, non-reentrant checkpointing): the stash holds a
   *weak* reference; the strong one lives on the autograd node of the forward, so the plan
-  disappears with the graph (after its backward, or when the graph is dropped);
+  disappears with the graph (after its backward, or when the graph is dropped), and the
+  next grad-enabled forward forgets the reference;
 * no-grad training forward (the first pass of reentrant checkpointing, or a statistics
   recalibration pass under ``torch.no_grad()``): there is no graph to tie it to, so the
   stash keeps it, at most :data:`MAX_DETACHED` per layer, and drops these when the layer
@@ -77,7 +78,11 @@ class Stash:
     def push(self, stashed: StashedPlan, *, grad_enabled: bool) -> None:
         """Record the plan of a first (non-recomputed) forward."""
         if grad_enabled:
-            self.drop_detached()
+            # No reentrant recomputation is pending now: forget the no-grad plans, and the
+            # plans whose graphs are gone (their backward ran without a recomputation).
+            live = (e for e in self._entries if isinstance(e, weakref.ref) and e() is not None)
+            self._entries = collections.deque(live)
+            self._detached = 0
             self._entries.append(weakref.ref(stashed))
             return
         if self._detached >= MAX_DETACHED:

@@ -38,6 +38,9 @@ def _clamp(x, lo, hi):
     return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
 
 
+# A Triton kernel takes each tensor as a pointer, so its parameters are the step's tensors one
+# by one; and it is one program, every channel block and the scalars' update in one launch
+# (the launch is what it exists to save), so it is as long as the composite it mirrors.
 @triton.jit
 def _cbn_plan_kernel(
     mean_ptr, var_ptr, count_ptr, weight_ptr, bias_ptr, eta_ptr,
@@ -136,7 +139,7 @@ def _cbn_plan_kernel(
     tl.store(nbt_ptr, nbt_new)
 
 
-@triton.jit
+@triton.jit  # its tensors as pointers, one by one (as _cbn_plan_kernel)
 def _cbn_param_grads_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, sums_ptr, grad_w_ptr, grad_b_ptr,
                             C, inv_rho, BLOCK_C: tl.constexpr):
     for start in range(0, C, BLOCK_C):
@@ -182,24 +185,25 @@ def _block(channels: int) -> int:
     return min(BLOCK, max(16, triton.next_power_of_2(max(channels, 1))))
 
 
-def cbn_plan(mean, var, count, host_count, weight, bias, eta, amat_mean, amat_var, amat_initialized,
-             running_mean, running_var, num_batches_tracked, eps, momentum, rho, r_max, history,
-             kernels=KERNELS):
-    """The CUDA kernel of ``distnorm::cbn_plan`` (float32 accumulation; valid host counts)."""
+def cbn_plan(moments, host_count, params, buffers, hyper, momentum, kernels=KERNELS):
+    """The CUDA kernel of ``distnorm::cbn_plan`` (the arguments of
+    :func:`distnorm._fused.cbn_plan_composite`; float32 accumulation; valid host counts)."""
+    mean, var, *device = moments  # a device count's mask is the kernel's own (count > 1)
+    count = device[0] if device else None
+    weight, bias, *eta = (p.contiguous() for p in params)
+    eps, rho, r_max = hyper
     channels = mean.shape[0]
     empty = lambda *shape: torch.empty(shape, dtype=mean.dtype, device=mean.device)  # noqa: E731
     center, var_u, invstd, a, beta_coef = (empty(channels) for _ in range(5))
     grad_coef = empty(2, 2, channels)
-    device_count = count is not None
     n = float(max(host_count, 1))
     with _on(mean.device):
         kernels["cbn_plan"][(1,)](
-            mean, var, count if device_count else mean, weight, bias, eta,
-            amat_mean, amat_var, amat_initialized, running_mean, running_var, num_batches_tracked,
+            mean, var, count if count is not None else mean, weight, bias, eta[0] if eta else mean, *buffers,
             center, var_u, invstd, a, grad_coef, beta_coef,
             channels, -1.0 / n, host_count / max(host_count - 1, 1), eps,
             0.0 if momentum is None else momentum, 1.0 / rho, 1.0 / r_max, r_max,
-            HISTORY=history, DEVICE_COUNT=device_count, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
+            HISTORY=bool(eta), DEVICE_COUNT=count is not None, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
             BLOCK_C=_block(channels),
         )
     return center, var_u, invstd, a, grad_coef, beta_coef

@@ -55,7 +55,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from distnorm import _ops
+from distnorm import _functions
 from distnorm._bnp_functions import BNPGradientFunction, BNPLayerState, bnp_q2
 from distnorm._collectives import ProcessGroup
 from distnorm._recompute import StashedPlan
@@ -101,8 +101,7 @@ def _pre_forward(module: nn.Module, args: tuple) -> None:
             module._buffers[buf] = module._buffers[buf].float()
     x = args[0]
     h = x.reshape(-1, x.shape[-1]) if state.dense else x
-    mean, var_t, count = _ops.bnp_statistics(_ops.no_grad_input(h),
-                                             module.bnp_mean, module.bnp_var, state)
+    mean, var_t, count = _functions.bnp_statistics(h, module.bnp_mean, module.bnp_var, state)
     state.count, state.in_spatial = count, tuple(x.shape[2:])
     if torch.compiler.is_compiling():
         # The compiled backward is traced now, so q² must be known now: nn.ConvNd's output
@@ -431,7 +430,7 @@ def _precondition(name: str, module: nn.Module, config: BNPSpec, process_group: 
         dense=isinstance(module, nn.Linear), fan_in=math.prod(weight.shape[1:]),
         groups=getattr(module, "groups", 1),
     )
-    _ops.register(state)
+    _functions.register(state)
     state.hooks = [module.register_forward_pre_hook(_pre_forward),
                    module.register_forward_hook(_post_forward, always_call=True)]
     module._distnorm_bnp = state

@@ -1,11 +1,13 @@
-"""Stateless functional forms of distnorm's layers.
+"""Stateless functional forms of distnorm's layers, and the call every layer makes.
 
-Like ``torch.nn.functional.batch_norm``, these take the parameters and buffers as
-arguments and update the buffers in place when ``training`` is true. The modules in
-:mod:`distnorm.layers` own the state and share the same mathematics
-(:mod:`distnorm._functions`); they also know, on the host, facts these functions must
-recompute (whether AMAT is initialised), and keep the statistics activation checkpointing
-needs — use the modules for training.
+Like ``torch.nn.functional.batch_norm``, :func:`cbn`, :func:`pop_norm` and
+:func:`sync_batch_norm` take the parameters and buffers as arguments and update the
+buffers in place when ``training`` is true. Each describes its layer by a
+:class:`NormState` made for the call and hands it to :func:`normalize`, which the modules
+in :mod:`distnorm.layers` call with the state they keep: there it also holds facts the
+host learnt at earlier steps (whether AMAT is initialised, which a call must otherwise
+check on the device) and the statistics activation checkpointing needs — use the modules
+for training. A training call goes down to :func:`distnorm._functions.normalize`.
 
 Synchronization: pass ``process_group`` (``None`` = default group). The functions reduce
 over it only when ``torch.distributed`` is initialised and the group has more than one
@@ -14,18 +16,18 @@ rank; ``sync=False`` forces local statistics.
 
 from __future__ import annotations
 
+from typing import Sequence
 
 import torch
 
-from distnorm import _collectives, _ops
-from distnorm._collectives import ProcessGroup
-from distnorm._autograd import NormalizeFunction
+from distnorm import _collectives, _functions
 from distnorm._bnp_functions import bnp_precondition
+from distnorm._collectives import ProcessGroup
 from distnorm._functions import CBNBuffers, NormState, channel_affine
-from distnorm._ops import no_grad_input
 from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
-__all__ = ["CBNBuffers", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "pop_norm", "sync_batch_norm"]
+__all__ = ["CBNBuffers", "NormState", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "normalize", "pop_norm",
+           "sync_batch_norm"]
 
 
 def amat_eta(lr: float | torch.Tensor, omega: float) -> float | torch.Tensor:
@@ -70,15 +72,41 @@ def _check_local_batch(x: torch.Tensor, layer: str) -> None:
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-              state: NormState, statistics) -> torch.Tensor:
-    """The training path shared by modules and functions: statistics, then normalization."""
+              buffers: Sequence[torch.Tensor | None], state: NormState, *, training: bool = True,
+              eta: float | torch.Tensor | None = None) -> torch.Tensor:
+    """One call of the layer that ``state`` describes: what every module's forward calls.
+
+    Args:
+        x: the input, ``(N, C, *)``.
+        weight, bias: ``gamma`` and ``beta`` (``None``: a BatchNorm without affine).
+        buffers: CBN / POP-Norm: a :class:`CBNBuffers`; batch normalization:
+            ``(running_mean, running_var, num_batches_tracked)``, any of them None. A
+            training call updates them in place.
+        state: the layer (:class:`NormState`): kind, name, hyper-parameters, group, and
+            what the host knows from earlier calls.
+        training: normalize with this batch's statistics over the group; else evaluate
+            with the buffers.
+        eta: CBN's AMAT weight on history: a float, or a 0-dim tensor never read on the host.
+    """
+    channels = weight if weight is not None else buffers[0]
+    _check_input(x, channels.shape[0] if channels is not None else x.shape[1], state.name)
+    if state.kind == "cbn" and not isinstance(eta, torch.Tensor):
+        # No host sync: torch.tensor(eta, device="cuda") would copy from the host and wait for
+        # it; torch.full launches a fill kernel.
+        eta = torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)
+    if not training:
+        if state.kind == "bn":
+            # PyTorch's semantics: running statistics, or this batch's when none are tracked.
+            running_mean, running_var = buffers[:2]
+            use_batch = running_mean is None or running_var is None
+            return torch.batch_norm(x, weight, bias, running_mean, running_var, use_batch, 0.0, state.eps, False)
+        return cbn_inference(x, weight, bias, buffers, eta, state)
     if state.group() is None:
         _check_local_batch(x, state.name)
-    plan = statistics(no_grad_input(x))
-    return NormalizeFunction.apply(x, weight, bias, *plan, state)
+    return _functions.normalize(x, weight, bias, buffers, eta, state)
 
 
-def sync_batch_norm(
+def sync_batch_norm(  # torch.nn.functional.batch_norm's arguments, then where to synchronize
     x: torch.Tensor,
     running_mean: torch.Tensor | None,
     running_var: torch.Tensor | None,
@@ -92,7 +120,6 @@ def sync_batch_norm(
     process_group: ProcessGroup | None = None,
     sync: bool = True,
     layer: str = "sync_batch_norm",
-    state: NormState | None = None,
 ) -> torch.Tensor:
     """Batch normalization whose training statistics span every rank of ``process_group``.
 
@@ -105,20 +132,11 @@ def sync_batch_norm(
         >>> sync_batch_norm(x, rm, rv).shape
         torch.Size([8, 3, 4, 4])
     """
-    expected = weight if weight is not None else running_mean
-    _check_input(x, expected.shape[0] if expected is not None else x.shape[1], layer)
-    if not training:
-        # PyTorch's semantics: running statistics, or this batch's when none are tracked.
-        use_batch = running_mean is None or running_var is None
-        return torch.batch_norm(x, weight, bias, running_mean, running_var, use_batch, 0.0, eps, False)
-    if state is None:
-        state = NormState("bn", layer, eps, momentum, process_group=process_group, sync=sync)
-    stats = lambda xd: _ops.bn_statistics(  # noqa: E731
-        xd, no_grad_input(weight), running_mean, running_var, num_batches_tracked, state)
-    return normalize(x, weight, bias, state, stats)
+    state = NormState("bn", layer, eps, momentum, process_group=process_group, sync=sync)
+    return normalize(x, weight, bias, (running_mean, running_var, num_batches_tracked), state, training=training)
 
 
-def cbn(
+def cbn(  # the layer's tensors, then the call's configuration as keywords
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,
@@ -153,73 +171,51 @@ def cbn(
         >>> y.shape, int(buffers.num_batches_tracked)
         (torch.Size([8, 3]), 1)
     """
-    _check_input(x, weight.shape[0], layer)
-    b = buffers
-    # No host sync: torch.tensor(eta, device="cuda") would copy from the host and wait for
-    # it; torch.full launches a fill kernel. A tensor eta may be 0 or not, which the host
-    # cannot know without reading it, so it takes the history path, which for eta = 0
-    # computes the no-history values.
-    eta_given = isinstance(eta, torch.Tensor)
-    eta_t = eta if eta_given else torch.full((), float(eta), dtype=b.amat_mean.dtype, device=x.device)
-    if not training:
-        return cbn_inference(x, weight, bias, b.amat_mean, b.amat_var, eta_t, b.running_mean, b.running_var,
-                             b.num_batches_tracked, rho=spec.rho, eps=spec.eps, momentum=spec.momentum,
-                             eval_stats=spec.resolved_eval_stats, layer=layer)
-    history = True if eta_given else float(eta) > 0
+    # A tensor eta may be 0 or not, which the host cannot know without reading it, so it
+    # takes the history path, which for eta = 0 computes the no-history values.
+    history = True if isinstance(eta, torch.Tensor) else float(eta) > 0
     state = NormState("cbn", layer, spec.eps, spec.momentum, rho=float(spec.rho), r_max=float(spec.r_max),
-                      process_group=process_group, sync=spec.sync, history=history)
-    stats = lambda xd: _ops.cbn_statistics(xd, no_grad_input(weight), no_grad_input(bias), b, eta_t, state)  # noqa: E731
-    return normalize(x, weight, bias, state, stats)
+                      process_group=process_group, sync=spec.sync, eval_stats=spec.resolved_eval_stats,
+                      history=history)
+    return normalize(x, weight, bias, buffers, state, training=training, eta=eta)
 
 
-def cbn_inference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    amat_mean: torch.Tensor,
-    amat_var: torch.Tensor,
-    amat_eta: torch.Tensor,
-    running_mean: torch.Tensor,
-    running_var: torch.Tensor,
-    num_batches_tracked: torch.Tensor,
-    *,
-    rho: float,
-    eps: float,
-    momentum: float | None,
-    eval_stats: str,
-    layer: str = "cbn",
-) -> torch.Tensor:
+def cbn_inference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: CBNBuffers,
+                  eta: torch.Tensor, state: NormState) -> torch.Tensor:
     """CBN at evaluation: a per-channel affine map, differentiable in x, gamma and beta.
 
-    ``"amat"``: ``(gamma/rho) (x - mu_A + beta) / sqrt(var_A + eps)``; ``"running"``:
-    ``(gamma/rho) (x - running_mean + beta) / sqrt(running_var + beta^2 + eps)`` (for a
-    centred ``x``, ``E[(x - mu + beta)^2] = var + beta^2``); ``"auto"``: the AMAT
-    statistics once they average at least as much history as the running ones — the last
-    training step had ``eta >= 1 - momentum`` (``1 - 1/num_batches_tracked`` for the
-    cumulative average) — else the running ones. The choice reads ``amat_eta``, a buffer,
-    so a model reloaded from a checkpoint evaluates as it did before saving.
+    ``state.eval_stats``: ``"amat"``: ``(gamma/rho) (x - mu_A + beta) / sqrt(var_A + eps)``;
+    ``"running"``: ``(gamma/rho) (x - running_mean + beta) / sqrt(running_var + beta^2 +
+    eps)`` (for a centred ``x``, ``E[(x - mu + beta)^2] = var + beta^2``); ``"auto"``: the
+    AMAT statistics once they average at least as much history as the running ones — the
+    last training step had ``eta >= 1 - momentum`` (``1 - 1/num_batches_tracked`` for the
+    cumulative average) — else the running ones. The choice reads ``eta`` (the layer's
+    ``amat_eta``, a buffer), so a model reloaded from a checkpoint evaluates as it did
+    before saving.
     """
+    eval_stats, b = state.eval_stats, buffers
     if eval_stats not in EVAL_STATS:
-        raise ValueError(f"{layer}: eval_stats must be one of {EVAL_STATS}, got {eval_stats!r}")
+        raise ValueError(f"{state.name}: eval_stats must be one of {EVAL_STATS}, got {eval_stats!r}")
     acc = _collectives.accumulate_dtype(x)
     gamma, beta = weight.to(acc), bias.to(acc)
     if eval_stats == "amat":
-        mean, var = amat_mean.to(acc), amat_var.to(acc)
+        mean, var = b.amat_mean.to(acc), b.amat_var.to(acc)
     else:
-        mean, var = running_mean.to(acc), torch.addcmul(running_var.to(acc), beta, beta)
+        mean, var = b.running_mean.to(acc), torch.addcmul(b.running_var.to(acc), beta, beta)
         if eval_stats == "auto":
-            if momentum is None:
-                threshold: float | torch.Tensor = 1.0 - num_batches_tracked.to(amat_eta.dtype).clamp_min(1.0).reciprocal()
+            if state.momentum is None:
+                threshold: float | torch.Tensor = (
+                    1.0 - b.num_batches_tracked.to(eta.dtype).clamp_min(1.0).reciprocal())
             else:
-                threshold = 1.0 - momentum  # a Python scalar: no host-to-device copy
-            use_amat = amat_eta >= threshold  # compared in the buffer's dtype
-            mean = torch.where(use_amat, amat_mean.to(acc), mean)
-            var = torch.where(use_amat, amat_var.to(acc), var)
-    scale = gamma / rho * torch.rsqrt(var + eps)
+                threshold = 1.0 - state.momentum  # a Python scalar: no host-to-device copy
+            use_amat = eta >= threshold  # compared in the buffer's dtype
+            mean = torch.where(use_amat, b.amat_mean.to(acc), mean)
+            var = torch.where(use_amat, b.amat_var.to(acc), var)
+    scale = gamma / state.rho * torch.rsqrt(var + state.eps)
     return channel_affine(x, scale, scale * (beta - mean))
 
 
-def pop_norm(
+def pop_norm(  # the buffers one by one (no AMAT buffers: the call makes throwaway ones)
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor,

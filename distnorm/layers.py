@@ -1,8 +1,9 @@
 """Synchronized normalization layers: :class:`CBN`, :class:`POPNorm`, :class:`SyncBatchNorm`.
 
-The modules own parameters and buffers and decide whether to synchronize; the mathematics
-and the collectives live in :mod:`distnorm.functional` / :mod:`distnorm._functions` /
-:mod:`distnorm._collectives`.
+The modules own parameters, buffers and their :class:`~distnorm.functional.NormState`;
+each forward is one call of :func:`distnorm.functional.normalize`, whose training path goes
+down to the operators (:mod:`distnorm._functions`) and the collectives
+(:mod:`distnorm._collectives`).
 
 Every layer accepts ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` and ``(N, C, D, H, W)``
 inputs, channels_last inputs, and fp16/bf16 inputs (statistics in float32, output in the
@@ -18,11 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from distnorm import _debug, _ops
+from distnorm import _debug
 from distnorm import functional  # not torch.nn.functional: distnorm's own
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import CBNBuffers, NormState
-from distnorm._recompute import Stash
+from distnorm.functional import CBNBuffers, NormState
 from distnorm.specs import EPS, MOMENTUM, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec, register_builder
 
 __all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "set_lrs", "name_layers"]
@@ -60,8 +60,7 @@ class _DistNormLayer(nn.Module):
     process_group = _state_field("process_group", "group to synchronize over (None: the default group)")
 
     def _init_state(self, kind: str, **fields: Any) -> None:
-        self._state = NormState(kind, f"{type(self).__name__}({self.num_features})", stash=Stash(), **fields)
-        _ops.register(self._state)
+        self._state = NormState.of_layer(kind, f"{type(self).__name__}({self.num_features})", **fields)
 
     @property
     def _distnorm_name(self) -> str:
@@ -79,10 +78,6 @@ class _DistNormLayer(nn.Module):
 
     def _layer_name(self) -> str:
         return self._state.name
-
-    def __setstate__(self, state: dict) -> None:  # unpickled / deep-copied modules get their own key
-        super().__setstate__(state)
-        _ops.register(self._state)
 
     def train(self, mode: bool = True) -> "_DistNormLayer":
         # A train()/eval() switch ends any reentrant-checkpointing recomputation still pending.
@@ -108,6 +103,7 @@ class _CompleteNorm(_DistNormLayer):
     rho = _state_field("rho", "normalization magnitude (kappa for POP-Norm)")
     r_max = _state_field("r_max", "clamp of the stop-gradient ratios")
     sync = _state_field("sync", "synchronize statistics across ranks")
+    eval_stats = _state_field("eval_stats", 'statistics at evaluation: "auto", "amat" or "running"')
 
     def __init__(self, num_features: int, spec: CBNSpec, process_group: ProcessGroup | None) -> None:
         # Hyper-parameters were validated by the spec (distnorm.specs), their one owner.
@@ -115,10 +111,10 @@ class _CompleteNorm(_DistNormLayer):
         _check_num_features(type(self).__name__, num_features)
         self.num_features = num_features
         self._init_state("cbn", eps=float(spec.eps), momentum=spec.momentum, rho=float(spec.rho),
-                         r_max=float(spec.r_max), process_group=process_group, sync=bool(spec.sync))
+                         r_max=float(spec.r_max), process_group=process_group, sync=bool(spec.sync),
+                         eval_stats=spec.resolved_eval_stats)
         self.amat = bool(spec.amat)
         self.omega = float(spec.omega)
-        self.eval_stats = spec.resolved_eval_stats
         self.lr: float | None = None
 
         self.weight = nn.Parameter(torch.ones(num_features))
@@ -207,15 +203,20 @@ class _CompleteNorm(_DistNormLayer):
         self._state.amat_ready = bool(self.amat_initialized)
         self._state.history = self.amat and float(self.amat_eta) > 0.0
 
+    def _statistics(self) -> CBNBuffers:
+        """The six statistics buffers, as one structure."""
+        return CBNBuffers(self.amat_mean, self.amat_var, self.amat_initialized, self.running_mean, self.running_var,
+                          self.num_batches_tracked)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = functional.normalize(x, self.weight, self.bias, self._statistics(), self._state,
+                                 training=self.training, eta=self.amat_eta)
+        if self.training:
+            self._warn_once_without_lr()  # after the input was checked: a bad input raises first
+        return y
+
+    def _warn_once_without_lr(self) -> None:
         global _warned_no_lr
-        functional._check_input(x, self.num_features, self._state.name)
-        if not self.training:
-            return functional.cbn_inference(
-                x, self.weight, self.bias, self.amat_mean, self.amat_var, self.amat_eta, self.running_mean,
-                self.running_var, self.num_batches_tracked, rho=self.rho, eps=self.eps, momentum=self.momentum,
-                eval_stats=self.eval_stats, layer=self._state.name,
-            )
         # is_compiling() first: reading the Python float ``self.lr`` inside a compiled region
         # would guard on its value and recompile at every learning-rate change.
         if not torch.compiler.is_compiling() and self.amat and self.lr is None and not _warned_no_lr:
@@ -224,13 +225,8 @@ class _CompleteNorm(_DistNormLayer):
                 f"{self._layer_name()}: AMAT has no learning rate yet, so it uses eta=0 (plain "
                 "batch statistics). Call distnorm.set_lr(model, lr) with the optimizer's "
                 "current learning rate before each training step.",
-                stacklevel=2,
+                stacklevel=3,
             )
-        buffers = CBNBuffers(self.amat_mean, self.amat_var, self.amat_initialized, self.running_mean,
-                             self.running_var, self.num_batches_tracked)
-        stats = lambda xd: _ops.cbn_statistics(  # noqa: E731
-            xd, _ops.no_grad_input(self.weight), _ops.no_grad_input(self.bias), buffers, self.amat_eta, self._state)
-        return functional.normalize(x, self.weight, self.bias, self._state, stats)
 
 
 class CBN(_CompleteNorm):
@@ -403,11 +399,8 @@ class SyncBatchNorm(_DistNormLayer):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return functional.sync_batch_norm(
-            x, self.running_mean, self.running_var, self.weight, self.bias, self.num_batches_tracked,
-            training=self.training, momentum=self.momentum, eps=self.eps, layer=self._state.name,
-            state=self._state,
-        )
+        buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
+        return functional.normalize(x, self.weight, self.bias, buffers, self._state, training=self.training)
 
     def extra_repr(self) -> str:
         return (

@@ -1,5 +1,5 @@
 """The fused per-channel operators (``distnorm::cbn_plan``, ``cbn_param_grads``,
-``shift_slope``; :mod:`distnorm._fused`): their Triton kernels (the CUDA path) equal the
+``shift_slope``; kernels in :mod:`distnorm._fused`): their Triton kernels (the CUDA path) equal the
 ATen composite (the CPU path, itself checked against float64 references in
 ``test_layers.py``), a Triton that cannot run is an error, not a quiet fallback, and the
 operators are well-formed for ``torch.compile``.
@@ -41,18 +41,26 @@ CASES = {  # name: keyword arguments of _plan_args
 
 def _plan_args(*, history, device_count=False, masked=False, initialized=True, momentum=0.1, rho=1.5, r_max=2.0,
                param_dtype=torch.float32, device="cpu", seed=0, channels=C) -> tuple:
-    """Arguments of ``distnorm::cbn_plan``: batch statistics with means near zero and far
-    from it (both branches of ``r_mu``), every buffer, a count on the host or the device."""
+    """Arguments of ``distnorm::cbn_plan`` (less ``triton``): batch statistics with means
+    near zero and far from it (both branches of ``r_mu``), every buffer, a count on the host
+    or the device (with the validity mask the device computed, for a masked step)."""
     g, c = torch.Generator().manual_seed(seed), channels
+    to = lambda t: t.to(device)  # noqa: E731
     mean = torch.randn(c, generator=g) * torch.tensor([0.01, 3.0]).repeat(c // 2)
     var = torch.rand(c, generator=g) + 0.1
     weight, bias = (torch.rand(c, generator=g) + 0.5).to(param_dtype), (torch.randn(c, generator=g) * 0.3).to(param_dtype)
     buffers = [torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5, torch.tensor(initialized),
                torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5, torch.tensor(3)]
-    count = torch.full((c,), 1.0 if masked else 512.0) if device_count else None
-    args = (mean, var, count, -1 if device_count else 512, device_count and not masked, weight, bias,
-            torch.tensor(0.6), *buffers, 1e-5, momentum, rho, r_max, history, False)
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    moments = [mean, var]
+    if device_count:
+        count = torch.full((c,), 1.0 if masked else 512.0)
+        moments += [count, count > 1] if masked else [count]
+    params = [weight, bias, torch.tensor(0.6)] if history else [weight, bias]
+    return ([to(m) for m in moments], -1 if device_count else 512, [to(p) for p in params], [to(b) for b in buffers],
+            [1e-5, rho, r_max], momentum, False)
+
+
+BUFFERS = 3  # where the buffers are among the arguments
 
 
 def _op_args(args: tuple, triton: bool) -> tuple:
@@ -61,7 +69,9 @@ def _op_args(args: tuple, triton: bool) -> tuple:
 
 
 def _clone(args: tuple) -> tuple:
-    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    """``args`` with every tensor, in lists too, copied (the buffers are updated in place)."""
+    copy = lambda a: a.clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
+    return tuple([copy(t) for t in a] if isinstance(a, list) else copy(a) for a in args)
 
 
 def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -83,10 +93,8 @@ def interpreted():
 
 
 def _run_plan_kernel(triton_module, args: tuple) -> tuple:
-    (mean, var, count, host_count, _valid_known, weight, bias, eta, *buffers, eps, momentum, rho, r_max,
-     history, _ready) = args
-    return triton_module.cbn_plan(mean, var, count, host_count, weight, bias, eta, *buffers, eps, momentum, rho,
-                                  r_max, history, kernels=triton_module.KERNELS)
+    *kernel_args, _amat_ready = args
+    return triton_module.cbn_plan(*kernel_args, kernels=triton_module.KERNELS)
 
 
 # numpy's warnings about the masked step's n / (n - 1) = inf, which the kernel discards
@@ -99,9 +107,9 @@ def test_triton_plan_kernel_equals_composite(interpreted, case):
     composite_args, kernel_args = _clone(args), _clone(args)
     want = _fused.cbn_plan_composite(*composite_args)
     got = _run_plan_kernel(interpreted, kernel_args)
-    _assert_close(list(got) + list(kernel_args[8:14]), list(want) + list(composite_args[8:14]))
+    _assert_close(list(got) + kernel_args[BUFFERS], list(want) + composite_args[BUFFERS])
     if CASES[case].get("masked"):  # an all-empty global batch changes no buffer
-        _assert_close(list(kernel_args[8:14]), list(args[8:14]))
+        _assert_close(kernel_args[BUFFERS], args[BUFFERS])
 
 
 def test_triton_backward_kernels_equal_composite(interpreted):
@@ -212,11 +220,12 @@ def test_layers_through_the_interpreted_kernels_equal_the_composite(interpreted,
 def test_triton_takes_only_tensors_on_the_statistics_device():
     """Bug caught: a CPU 0-dim ``eta`` (the functional API passes a user's through) handed to
     the CUDA kernel as a pointer. (``meta`` stands in for the CUDA device.)"""
-    mean, buffers = torch.empty(C, device="meta"), tuple(torch.empty(C, device="meta") for _ in range(4))
-    on_meta = (torch.empty(C, device="meta"), torch.empty((), device="meta"))
-    assert _fused._on_one_device(mean, None, *buffers, *on_meta)
+    meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
+    mean, buffers = meta(C), [meta(C), meta(C), meta(()), meta(C), meta(C), meta(())]
+    assert _fused._on_one_device(mean, None, *buffers, meta(C), meta(()))
     assert not _fused._on_one_device(mean, None, *buffers, torch.tensor(0.5))
-    assert not _fused._triton_takes_plan(mean, None, 512, buffers, (torch.tensor(0.5),))
+    assert _fused._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), meta(())], buffers)
+    assert not _fused._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), torch.tensor(0.5)], buffers)
 
 
 def test_operators_are_well_formed_for_torch_compile():
@@ -243,10 +252,10 @@ def test_cuda_fused_operators_equal_composite(case):
     composite_args, op_args = _clone(args), _clone(args)
     want = _fused.cbn_plan_composite(*composite_args)
     got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, True))
-    _assert_close([x.cpu() for x in list(got) + list(op_args[8:14])],
-                  [x.cpu() for x in list(want) + list(composite_args[8:14])])
+    _assert_close([x.cpu() for x in list(got) + op_args[BUFFERS]],
+                  [x.cpu() for x in list(want) + composite_args[BUFFERS]])
     s1, t, beta_coef, a = (torch.randn(C, device="cuda") for _ in range(4))
     _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 0.5, True),
-                  _fused._cbn_param_grads_composite(s1, t, beta_coef, a, 0.5))
+                  _fused.cbn_param_grads_composite(s1, t, beta_coef, a, 0.5))
     coef, sums = torch.randn(2, 2, C, device="cuda"), torch.randn(2, C, device="cuda")
-    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, True), _fused._shift_slope_composite(coef, sums))
+    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, True), _fused.shift_slope_composite(coef, sums))

@@ -130,7 +130,7 @@ def test_no_host_sync_on_any_per_step_path():
     for) in the functional API (every call), in evaluation with ``eval_stats="auto"`` (once
     per layer) and in compiled BNP (once per layer per step); ``bool(eta > 0)`` in
     ``functional.cbn``."""
-    from distnorm import _ops, functional
+    from distnorm import _functions, functional
 
     x = torch.randn(8, 6, 4, 4, requires_grad=True)
     w, b = torch.ones(6, requires_grad=True), torch.zeros(6, requires_grad=True)
@@ -152,7 +152,7 @@ def test_no_host_sync_on_any_per_step_path():
         "functional.sync_batch_norm": lambda: functional.sync_batch_norm(
             x, buffers.running_mean, buffers.running_var, w, b).sum().backward(),
         "CBN eval, eval_stats='auto'": lambda: [layer(x) for layer in cbn_auto],
-        "compiled BNP statistics": lambda: _ops.bnp_statistics_impl(
+        "compiled BNP statistics": lambda: _functions._bnp_statistics_kernel(
             torch.randn(8, 6), linear.bnp_mean, linear.bnp_var, state.key),
     }
     for name, call in checks.items():
@@ -326,6 +326,30 @@ def test_checkpointing_on_two_ranks(tmp_path, use_reentrant):
     for name in s0:
         if name.startswith("buffer."):
             assert torch.equal(s0[name], s1[name]), name
+
+
+def test_a_checkpointed_step_after_plain_steps_recomputes_with_its_own_statistics():
+    """Plain training steps, then one under non-reentrant checkpointing: its recomputed
+    forward must take this step's plan, and the stash must keep nothing of the plain steps.
+    Bug caught: the stash recorded every plan as a no-grad one (the statistics step, which
+    decided it, runs under ``no_grad``), kept the plain steps' plans, and the checkpointed
+    step recomputed with the oldest of them: gradients wrong by 10³ (before the fix); BNP's
+    stash grew by one dead reference per step."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), distnorm.CBN(4), nn.Linear(4, 3))
+    distnorm.bnp.attach(plain, exclude=["0"])
+    ckpt = copy.deepcopy(plain)
+    for step in range(4):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step)) * (step + 1)
+        for model, checkpointed in ((plain, False), (ckpt, step == 3)):
+            distnorm.set_lr(model, 0.01)
+            model.zero_grad()
+            y = checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+            y.square().sum().backward()
+        _assert_states_close(_state(plain), _state(ckpt), 0.0)
+    for model in (plain, ckpt):  # each layer's stash: at most the last step's plan, dead
+        for stash in (model[2]._state.stash, model[3]._distnorm_bnp.stash):
+            assert len(stash._entries) <= 1 and len(stash) == 0
 
 
 def test_recomputation_without_a_first_forward_is_an_error():
@@ -581,9 +605,9 @@ def test_cuda_graphs_never_capture_the_layers_host_decisions():
     from torch._inductor import config as inductor_config
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
-    from distnorm import _ops
+    from distnorm import _functions
 
-    if not _ops._UNSAFE_FOR_CUDA_GRAPHS:
+    if not _functions._UNSAFE_FOR_CUDA_GRAPHS:
         pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag: the refusal below guards instead")
     model = _mixed_model()
     distnorm.set_lr(model, 0.05)
@@ -608,9 +632,9 @@ def test_without_the_tag_reduce_overhead_is_refused(monkeypatch):
     compilation that would capture CUDA graphs raises, naming the modes that work, instead
     of replaying the first step's decisions. (This torch has the tag: the operators'
     tagging is switched off to run the older torch's path.) Bug caught: the mode accepted."""
-    from distnorm import _ops
+    from distnorm import _functions
 
-    monkeypatch.setattr(_ops, "_UNSAFE_FOR_CUDA_GRAPHS", {})
+    monkeypatch.setattr(_functions, "_UNSAFE_FOR_CUDA_GRAPHS", ())
     torch._dynamo.reset()
     layer = distnorm.CBN(3)
     distnorm.set_lr(layer, 0.05)

@@ -85,7 +85,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_circle_and_no_distnorm_import_inside_a_function():
     """Bugs caught: a circle of imports hidden by imports inside functions (specs.build()
-    importing layers, _ops importing bnp, _functions importing _ops)."""
+    importing layers, the operators importing bnp)."""
     graph, inside_functions = _graph()
     # (Integrations are loaded by name through importlib where an engine is met: a plugin
     # mechanism, not an import this walk sees. Docstring examples are not code.)
@@ -97,11 +97,42 @@ def test_no_import_circle_and_no_distnorm_import_inside_a_function():
 
 def test_the_core_layers_sit_below_specs_builders_and_bnp():
     """Bugs caught: the specs importing a layer again; BNP's statistics moving back above the
-    custom operators."""
+    operators."""
     graph, _ = _graph()
     assert graph["distnorm.specs"] == {"distnorm.settings"} and graph["distnorm.settings"] == set()
-    assert "distnorm.bnp" not in graph["distnorm._ops"]
-    assert "distnorm._ops" not in graph["distnorm._functions"]
+    assert "distnorm.bnp" not in graph["distnorm._functions"]
+    assert "distnorm._functions" not in graph["distnorm._bnp_functions"]
+
+
+def test_a_layer_step_walks_down_module_functional_operators_collectives():
+    """The path of a training step, in one direction: the layers call ``functional`` (never
+    the operators, no closure), ``functional`` the one operator module, which alone declares
+    operators (one ``torch.library.Library``) and calls the collectives and the kernels.
+    Bugs caught: the layers handing ``functional`` a closure over the operators (the code
+    before: layer -> functional -> back up into the layer's lambda -> _ops -> _functions);
+    operators declared in two modules (``_ops`` with ``custom_op``, ``_fused`` with a
+    ``Library``); an operator signature of 21 names."""
+    import inspect
+
+    from distnorm import layers
+
+    graph, _ = _graph()
+    assert "distnorm.functional" in graph["distnorm.layers"]
+    assert not {"distnorm._functions", "distnorm._fused"} & graph["distnorm.layers"]
+    assert "distnorm._functions" in graph["distnorm.functional"]
+    assert {"distnorm._collectives", "distnorm._fused"} <= graph["distnorm._functions"]
+    assert not {"distnorm.functional", "distnorm.layers"} & graph["distnorm._functions"]
+    assert "distnorm._functions" not in graph["distnorm._fused"]
+    for path in sorted(PACKAGE.rglob("*.py")):
+        declares = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+                    and node.attr in ("Library", "custom_op") and ast.unparse(node.value) == "torch.library"]
+        assert len(declares) == (1 if path == PACKAGE / "_functions.py" else 0), path
+    tree = ast.parse(inspect.getsource(layers))
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Lambda)]  # no closure handed down
+    for name in ("cbn_plan", "cbn_param_grads", "shift_slope", "cbn_statistics", "bn_statistics",
+                 "normalize_backward", "bnp_statistics"):
+        schema = getattr(torch.ops.distnorm, name).default._schema
+        assert len(schema.arguments) <= 8, schema
 
 
 def test_specs_build_every_layer_and_convert_goes_through_them():
