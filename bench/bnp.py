@@ -40,7 +40,7 @@ def build(name: str) -> nn.Module | None:
         from distnorm import models
     except ImportError:
         return None
-    return models.create(name, num_classes=10, norm="local_bn")  # same BatchNorm as torchvision's
+    return models.create(name, num_classes=10, norm="keep")  # same BatchNorm as torchvision's
 
 
 class Step:

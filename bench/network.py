@@ -63,7 +63,7 @@ def worker(out: str, steps: int, batch: int) -> None:
 
     def build(variant: str) -> nn.Module:
         torch.manual_seed(0)
-        norm = {"syncbn": "bn", "cbn": "cbn", "cbn_per_node": "cbn"}.get(variant, "local_bn")
+        norm = {"syncbn": "bn", "cbn": "cbn", "cbn_per_node": "cbn"}.get(variant, "keep")
         model = models.create("resnet20", num_classes=10, norm=norm, activation=None,
                               **({"process_group": node_group} if variant == "cbn_per_node" else {}))
         if variant == "bnp":

@@ -52,8 +52,8 @@ MODELS = {"resnet18": (128, 8, 64, 2), "resnet20": (32, 64, 32, 8)}
 
 #: variant: the ``norm`` of ``models.create``; ``bnp`` / ``bnp_gn`` then attach BNP (paper 004
 #: preconditions local BN, and GroupNorm in place of BN for ResNets).
-NORM_OF = {"local_bn": "local_bn", "cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn", "naive_syncbn": "local_bn",
-           "bnp": "local_bn", "bnp_gn": "gn"}
+NORM_OF = {"local_bn": "keep", "cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn", "naive_syncbn": "keep",
+           "bnp": "keep", "bnp_gn": "gn"}
 
 
 def build(name: str, variant: str, num_classes: int = 10) -> nn.Module:

@@ -26,15 +26,14 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from distnorm.convert import ACTIVATIONS, NORMS
+from distnorm.convert import ACTIVATIONS
 from distnorm.settings import Section, boolean, coerce, non_negative_int, one_of, optional, param, positive, positive_int
-from distnorm.specs import NORM_SPECS, BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+from distnorm.specs import KEEP, NORM_LABELS, NORM_SPECS, BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __all__ = ["DistNormConfig", "add_arguments", "ENV_PREFIX"]
 
 ENV_PREFIX = "DISTNORM_"
 _ENV_RESERVED = {"DISTNORM_DEBUG"}  # not configuration: read by distnorm._debug
-OFF = "off"
 
 #: The nested spec sections: name -> spec class (``bnp`` may also be ``None``: off).
 SECTIONS: dict[str, type] = {**NORM_SPECS, "bnp": BNPSpec}
@@ -49,8 +48,8 @@ class DistNormConfig(Section):
 
     label: ClassVar[str] = "distnorm config"
 
-    norm: str = param(OFF, f"normalization: {', '.join(NORMS)}, or {OFF} to leave it alone", one_of(*NORMS, OFF),
-                      choices=(*NORMS, OFF))
+    norm: str = param(KEEP, f"normalization: {', '.join(NORM_LABELS)} ({KEEP}: leave the BatchNorm layers as "
+                            "they are; none: remove them)", one_of(*NORM_LABELS), choices=NORM_LABELS)
     activation: str | None = param(None, "replace activations: " + ", ".join(ACTIVATIONS), one_of(None, *ACTIVATIONS),
                                    choices=tuple(ACTIVATIONS))
     cbn: CBNSpec = field(default_factory=CBNSpec, metadata={"help": "CBN hyper-parameters (norm=cbn)"})
@@ -82,12 +81,12 @@ class DistNormConfig(Section):
 
     @property
     def active(self) -> bool:
-        """Whether this configuration changes the model at all (a norm other than ``off``, or BNP)."""
-        return self.norm != OFF or self.bnp is not None
+        """Whether this configuration changes the model at all (a norm other than ``keep``, or BNP)."""
+        return self.norm != KEEP or self.bnp is not None
 
     @property
     def norm_spec(self) -> Any:
-        """The spec of the selected normalization (``None`` for ``off`` / ``none``)."""
+        """The spec of the selected normalization (``None`` for ``keep`` / ``none``)."""
         return getattr(self, self.norm) if self.norm in SECTIONS else None
 
     # ----------------------------------------------------------------- conversions

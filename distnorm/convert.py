@@ -42,7 +42,7 @@ from torch import fx, nn
 from distnorm._collectives import ProcessGroup
 from distnorm._wrappers import refuse_wrapped
 from distnorm.layers import SyncBatchNorm, _DistNormLayer, name_layers
-from distnorm.specs import NORM_SPECS, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+from distnorm.specs import KEEP, NORM_LABELS, NORM_SPECS, NORMS, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 #: What ``convert(norm=...)`` accepts besides a name.
 NormSpec = CBNSpec | POPNormSpec | SyncBNSpec | GNSpec
@@ -51,8 +51,6 @@ __all__ = ["NORMS", "ACTIVATIONS", "PreNorm", "convert", "revert", "conversion_s
 
 logger = logging.getLogger(__name__)
 
-#: ``convert(norm=...)`` names: one per spec (distnorm.specs.NORM_SPECS), and "none" (remove).
-NORMS = (*NORM_SPECS, "none")
 ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
     "sigmoid": nn.Sigmoid,
@@ -313,9 +311,14 @@ def _norm_spec(norm: Any, layer_kwargs: dict[str, Any]) -> tuple[str | None, Any
             raise ValueError(f"convert: give the hyper-parameters in the spec or as keywords, not both "
                              f"(got {type(norm).__name__} and {sorted(layer_kwargs)})")
         return next(name for name, cls in NORM_SPECS.items() if isinstance(norm, cls)), norm
-    if norm is not None and norm not in NORMS:
-        raise ValueError(f"convert: unknown norm {norm!r}; choose one of {NORMS}, a spec from distnorm.specs "
-                         "(or None to keep BatchNorm)")
+    if norm is None:
+        raise ValueError(f"convert: norm=None is not a norm; norm={KEEP!r} leaves the BatchNorm layers as they are")
+    if norm not in NORM_LABELS:
+        raise ValueError(f"convert: unknown norm {norm!r}; choose one of {NORM_LABELS} or a spec from distnorm.specs")
+    if norm == KEEP:
+        if layer_kwargs:
+            raise ValueError(f"convert(norm={KEEP!r}) changes no layer: unknown keyword(s) {sorted(layer_kwargs)}")
+        return None, None
     if norm in NORM_SPECS:
         return norm, NORM_SPECS[norm].from_kwargs(f"convert(norm={norm!r})", **layer_kwargs)
     if layer_kwargs:
@@ -325,7 +328,7 @@ def _norm_spec(norm: Any, layer_kwargs: dict[str, Any]) -> tuple[str | None, Any
 
 def convert(
     model: nn.Module,
-    norm: str | NormSpec | None = "cbn",
+    norm: str | NormSpec = "cbn",
     activation: str | None = None,
     process_group: ProcessGroup | None = None,
     *,
@@ -337,8 +340,8 @@ def convert(
     Args:
         model: the bare model (not yet wrapped by DDP / DeepSpeed / FSDP).
         norm: ``"cbn"``, ``"popnorm"`` (pre-operation), ``"bn"`` (synchronized BatchNorm),
-            ``"gn"`` (GroupNorm), ``"none"`` (remove), or ``None`` to leave the
-            normalization alone (e.g. to change only the activation); or a spec from
+            ``"gn"`` (GroupNorm), ``"none"`` (remove), or ``"keep"`` to leave the
+            BatchNorm layers as they are (e.g. to change only the activation); or a spec from
             :mod:`distnorm.specs` (``CBNSpec(rho=2.0)``), which carries the hyper-parameters.
         activation: ``"relu"``, ``"sigmoid"``, ``"tanh"``, ``"selu"``, ``"swish"``, or
             ``None`` to keep the model's activations.

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distnorm import _collectives
 from distnorm._collectives import assert_same_across_ranks
 from distnorm._wrappers import fsdp_flat
-from distnorm.config import OFF, DistNormConfig
+from distnorm.config import DistNormConfig
 from distnorm.consistency import check_consistency, consistent_tensors
 from distnorm.convert import convert
 from distnorm.layers import _CompleteNorm, _DistNormLayer, set_lrs
@@ -155,9 +155,8 @@ class DistNormPlugin:
         self._config_checked = False
         self._verify_config()
         cfg = self.config
-        # The selected norm's spec carries its hyper-parameters ("none": no spec, "off": no change).
-        convert(model, norm=None if cfg.norm == OFF else (cfg.norm_spec or cfg.norm), activation=cfg.activation,
-                process_group=self.group)
+        # The selected norm's spec carries its hyper-parameters ("none", "keep": a label, no spec).
+        convert(model, norm=cfg.norm_spec or cfg.norm, activation=cfg.activation, process_group=self.group)
         self.bnp_handle = cfg.bnp.attach(model, process_group=self.group) if cfg.bnp is not None else None
         self.amat_layers = [m for m in model.modules() if isinstance(m, _CompleteNorm) and m.amat]
         self.local_running_stats = unsynchronized_running_stats(model)

@@ -49,8 +49,8 @@ from distnorm.settings import (
     unit_interval,
 )
 
-__all__ = ["CBNSpec", "POPNormSpec", "SyncBNSpec", "GNSpec", "BNPSpec", "NORM_SPECS", "EVAL_STATS", "spec_fields",
-           "register_builder"]
+__all__ = ["CBNSpec", "POPNormSpec", "SyncBNSpec", "GNSpec", "BNPSpec", "NORM_SPECS", "NORMS", "NORM_LABELS", "KEEP",
+           "REMOVE", "EVAL_STATS", "spec_fields", "register_builder"]
 
 #: What CBN evaluates with: the AMAT averages, the running statistics, or "auto" (AMAT while
 #: eta > 0 was in force, else the running statistics; SPEC §2).
@@ -218,6 +218,17 @@ class GNSpec(_Spec):
 
 #: ``convert(norm=...)`` names of the specs.
 NORM_SPECS: dict[str, type[_Spec]] = {"cbn": CBNSpec, "popnorm": POPNormSpec, "bn": SyncBNSpec, "gn": GNSpec}
+
+#: The ``norm`` that removes every BatchNorm (for BNP alone, or a model without normalization).
+REMOVE = "none"
+#: The ``norm`` that leaves every BatchNorm as it is (PyTorch's unsynchronized layer: the
+#: baseline, or a run that only changes the activations); the default of the configuration.
+KEEP = "keep"
+#: What a BatchNorm can be converted to: one name per spec, and :data:`REMOVE`.
+NORMS: tuple[str, ...] = (*NORM_SPECS, REMOVE)
+#: Every ``norm`` label, the one spelling of each, for ``distnorm.convert``,
+#: ``distnorm.DistNormConfig`` (YAML, ``--distnorm``, ``DISTNORM_NORM``) and ``distnorm.models``.
+NORM_LABELS: tuple[str, ...] = (*NORMS, KEEP)
 
 
 # ------------------------------------------------------------------------------ BNP

@@ -41,7 +41,7 @@ def _train_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
 @pytest.mark.parametrize("name", models.available())
 def test_zoo_model_converts_and_trains(name, norm):
     torch.manual_seed(0)
-    bns = _count(models.create(name, num_classes=7, norm="local_bn"), BATCH_NORMS)
+    bns = _count(models.create(name, num_classes=7, norm="keep"), BATCH_NORMS)
     model = models.create(name, num_classes=7, norm=norm)
     if norm in NORM_TYPE:
         assert _count(model, NORM_TYPE[norm]) == bns
@@ -160,7 +160,7 @@ def test_activation_swap_changes_only_activations(activation):
     model = torchvision.models.efficientnet_b0(num_classes=3)
     before = dict(model.named_modules())
     gates = {n for n in before if n.endswith("scale_activation")}
-    distnorm.convert(model, norm=None, activation=activation)
+    distnorm.convert(model, norm="keep", activation=activation)
     after = dict(model.named_modules())
     assert before.keys() == after.keys()
     new_cls = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "tanh": nn.Tanh, "selu": nn.SELU, "swish": nn.SiLU}[activation]

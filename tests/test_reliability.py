@@ -280,7 +280,7 @@ def _setup_mismatch_worker(rank, world, what, root):
     from distnorm.train.loop import _agree_on_resume, agree_on_setup
 
     cfg = load_config(DEMO, digits_overrides(Path(root)))
-    model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm="local_bn", activation=None)
+    model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm="keep", activation=None)
     seen_world = world
     if what == "model" and rank == 1:  # e.g. another library version on one node
         model.extra = nn.Linear(2, 2)

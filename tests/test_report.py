@@ -37,7 +37,7 @@ def test_monitors_are_off_by_default_and_record_when_attached():
     assert records[-1]["layer"] == "model" and records[-1]["grad_variance"] >= 0
     monitor.remove()
     assert all(m.stats_sink is None for m in cbns)
-    bn_model = models.create("resnet20", num_classes=10, norm="local_bn")
+    bn_model = models.create("resnet20", num_classes=10, norm="keep")
     assert len(TheoryMonitor(bn_model).invariant) == 19  # the convs followed by BatchNorm
 
 

@@ -471,7 +471,7 @@ def test_a_bad_command_under_torchrun_is_said_once_and_named_as_the_root_cause()
     torchrun = [sys.executable, "-c", "from distnorm.train.torchrun import main; main()", "-m", "torch.distributed.run",
                 "--standalone", "--nproc_per_node=2", "-m", "distnorm.train", "--config", str(DEMO)]
     for extra, message in ((["distnorm.norm=cbm"], "distnorm-train: configuration error: distnorm config: norm must be "
-                                                   "one of ('cbn', 'popnorm', 'bn', 'gn', 'none', 'off'), got 'cbm'"),
+                                                   "one of ('cbn', 'popnorm', 'bn', 'gn', 'none', 'keep'), got 'cbm'"),
                            (["--dryrun"], "distnorm-train: error: unrecognized arguments: --dryrun")):
         proc = subprocess.run([*torchrun, *extra], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
         said = proc.stdout + proc.stderr

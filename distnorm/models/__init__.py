@@ -7,8 +7,8 @@ Example:
     ['efficientnet_b0', 'resnet18', 'resnet20', 'resnet50', 'vgg16']
 
 Models are built with ordinary BatchNorm and their native activations, then converted:
-``norm`` is any of :data:`distnorm.convert.NORMS`, or ``"local_bn"`` to keep PyTorch's
-local (unsynchronized) BatchNorm as a baseline. No pretrained weights are downloaded.
+``norm`` is any of :data:`distnorm.specs.NORM_LABELS` (``"keep"`` keeps PyTorch's local,
+unsynchronized BatchNorm: the baseline). No pretrained weights are downloaded.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Any, Callable
 
 from torch import nn
 
-from distnorm.convert import NORMS, convert
+from distnorm.convert import convert
 from distnorm.models.cifar import VGG16, ResNet20
+from distnorm.specs import NORM_LABELS
 
 __all__ = ["available", "create", "register", "ResNet20", "VGG16"]
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
-LOCAL_BN = "local_bn"
 
 
 def register(name: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
@@ -94,7 +94,7 @@ def create(
         name: one of :func:`available`.
         num_classes: classifier outputs.
         norm: ``"cbn"``, ``"popnorm"``, ``"bn"`` (synchronized), ``"gn"``, ``"none"``, or
-            ``"local_bn"`` (PyTorch's BatchNorm, unsynchronized: the baseline); or a spec
+            ``"keep"`` (PyTorch's BatchNorm, unsynchronized: the baseline); or a spec
             from :mod:`distnorm.specs` (``CBNSpec(rho=2.0)``).
         activation: ``"relu"``, ``"sigmoid"``, ``"tanh"``, ``"selu"``, ``"swish"``, or
             ``None`` for the architecture's own (EfficientNet: swish).
@@ -105,14 +105,14 @@ def create(
     """
     if name not in _REGISTRY:
         raise ValueError(f"unknown model {name!r}; available: {available()}")
-    if isinstance(norm, str) and norm != LOCAL_BN and norm not in NORMS:
-        raise ValueError(f"unknown norm {norm!r}; choose one of {(*NORMS, LOCAL_BN)}")
+    if isinstance(norm, str) and norm not in NORM_LABELS:
+        raise ValueError(f"unknown norm {norm!r}; choose one of {NORM_LABELS}")
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     model = _REGISTRY[name](num_classes, **kw)
     return convert(
         model,
-        norm=None if norm == LOCAL_BN else norm,
+        norm=norm,
         activation=activation,
         process_group=process_group,
         **(norm_kwargs or {}),

@@ -26,6 +26,7 @@ from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate, expand_
 from distnorm.data.loaders import SKIP_HINT, DataError
 from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
 from distnorm.monitors import TheoryMonitor
+from distnorm.specs import KEEP
 from distnorm.train.checkpoint import CheckpointManager
 from distnorm.train.config import ConfigError, TrainConfig
 from distnorm.train.engines import local_world, make_engine, require_engine
@@ -287,7 +288,7 @@ def build_model(cfg: TrainConfig, world: int) -> nn.Module:
     """The zoo model with PyTorch's BatchNorm (the engine's ``prepare`` converts it), the
     same on every rank (checked)."""
     torch.manual_seed(cfg.train.seed)  # the same initial model on every rank
-    model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm="local_bn", activation=None)
+    model = models.create(cfg.model.name, num_classes=cfg.model.num_classes, norm=KEEP, activation=None)
     agree_on_setup(cfg, model, world)
     return model
 
