@@ -193,7 +193,7 @@ class GNSpec(_Spec):
     label: ClassVar[str] = "GroupNorm"
     #: Groups when neither ``num_groups`` nor ``group_size`` is given (Wu & He's default).
     default_groups: ClassVar[int] = 32
-    num_groups: int | None = param(None, "number of groups (default 32 when group_size is not given)",
+    num_groups: int | None = param(None, f"number of groups (default {default_groups} when group_size is not given)",
                                    optional(positive_int))
     group_size: int | None = param(None, "channels per group (instead of num_groups)", optional(positive_int))
     eps: float | None = param(None, f"added to the variance (default: the replaced BatchNorm's; {EPS} for a new layer)",

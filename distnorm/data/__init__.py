@@ -3,7 +3,8 @@
 * :mod:`distnorm.data.shards` — shard writer and the ``distnorm-shards`` command;
 * :mod:`distnorm.data.sources` — ImageFolder, torchvision datasets, digits demo, synthetic;
 * :mod:`distnorm.data.loaders` — :class:`TrainLoader` (equal-length epochs on every rank)
-  and :class:`EvalLoader` (every validation sample exactly once);
+  and :class:`EvalLoader` (every validation sample exactly once), their settings in
+  :class:`LoaderSpec`;
 * :mod:`distnorm.data.transforms` — the recipes' transforms, normalized per batch;
 * :func:`evaluate` — top-1 / top-5 / loss reduced across ranks.
 
@@ -19,9 +20,10 @@ from typing import Any
 _EXPORTS = {
     "evaluate": "evaluation",
     "ShardIndex": "index", "ShardInfo": "index", "index_path": "index",
-    "TrainLoader": "loaders", "EvalLoader": "loaders", "DataError": "loaders",
+    "TrainLoader": "loaders", "EvalLoader": "loaders", "DataError": "loaders", "LoaderSpec": "loaders",
     "expand_urls": "loaders",
-    "build_transform": "transforms", "ImageTransform": "transforms", "TRANSFORM_PRESETS": "transforms",
+    "build_transform": "transforms", "ImageTransform": "transforms", "ImageSpec": "transforms",
+    "TRANSFORM_PRESETS": "transforms",
     "write_shards": "shards", "plan_shards": "shards",
     "DatasetSource": "sources", "DigitsSource": "sources", "ImageFolderSource": "sources",
     "SyntheticSource": "sources",

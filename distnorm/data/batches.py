@@ -2,12 +2,11 @@
 
 A DataLoader worker hands each batch to the main process through shared memory. A fresh
 buffer per batch, what ``default_collate`` allocates, makes the kernel fault in and zero a
-new shared page every 4 KiB: for a 32 x 3 x 224 x 224 float32 batch (19 MB) 16.0 ms against
-2.1 ms to write the same values into a buffer written before (``bench/data.py``'s
-``batch_buffer_write_ms``, 2-core test machine, 2026-11-24; docs/reference/benchmarks.md,
-"Data"): 0.43 ms per image, about a seventh of a worker's time per ImageNet image. So each
-worker keeps the buffers it sent (:class:`BatchPool`) and writes a later batch into one the
-main process has given back (:class:`BatchReturns`):
+new shared page every 4 KiB, several times the cost of writing the same values into a buffer
+written before: a sizeable part of a worker's time per ImageNet image (``bench/data.py``
+measures both, ``batch_buffer_write_ms``; figures on docs/reference/benchmarks.md, "Data").
+So each worker keeps the buffers it sent (:class:`BatchPool`) and writes a later batch into
+one the main process has given back (:class:`BatchReturns`):
 
 * the main process gives a buffer back once nothing in it can still see the buffer: at
   once when the DataLoader's pinning thread has copied the batch into pinned memory
@@ -15,9 +14,9 @@ main process has given back (:class:`BatchReturns`):
   left — no tensor, view or NumPy array of it (a :class:`~torch.multiprocessing.reductions.
   StorageWeakRef` expired). A batch the caller keeps keeps its buffer; nothing is copied;
 * nothing ever waits on the other side: a worker whose buffers are all still out allocates
-  a fresh one, as before, up to ``capacity`` pooled buffers, then unpooled ones; a worker
-  that exits leaves its returns unread. A late or missing return costs the fresh
-  allocation, never a stall;
+  a fresh one, as ``default_collate`` does, up to ``capacity`` pooled buffers, then
+  unpooled ones; a worker that exits leaves its returns unread. A late or missing return
+  costs the fresh allocation, never a stall;
 * a buffer goes back only to the worker that made it, through that worker's own pipe, once
   per time it was sent.
 

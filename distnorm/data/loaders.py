@@ -27,6 +27,12 @@ the worker reuses once the main process no longer refers to the batch
 sample raises :class:`DataError` naming the shard and key; with ``on_error="skip"`` it is
 skipped (in evaluation: replaced by a masked placeholder, keeping batch counts exact),
 counted, and reported at the end of the epoch (``loader.skipped``).
+
+**Settings**: both loaders take their shards, batch and place in the job as arguments, and
+everything else as keywords of :class:`LoaderSpec` (the image pipeline of
+:class:`~distnorm.data.transforms.ImageSpec`, the DataLoader workers, bad data), whose fields
+own the defaults; the recipe's ``data`` section extends it, so ``distnorm-train`` and a
+script calling the loaders start from the same values.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ import logging
 import math
 import random
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 from PIL import Image
@@ -48,12 +54,14 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from distnorm.data.batches import BatchPool, BatchReturns
 from distnorm.data.index import ShardIndex
 from distnorm.data.tars import tarfile_to_samples
-from distnorm.data.transforms import TRANSFORM_PRESETS, ImageTransform, batch_tensor, build_transform
+from distnorm.data.transforms import TRANSFORM_PRESETS, ImageSpec, ImageTransform, batch_tensor, build_transform
+from distnorm.settings import boolean, from_mapping, non_negative_int, one_of, optional, param, positive_int
 
 __all__ = [
     "DataError",
     "TrainLoader",
     "EvalLoader",
+    "LoaderSpec",
     "build_transform",
     "expand_urls",
     "TRANSFORM_PRESETS",
@@ -66,6 +74,34 @@ MAX_CONSECUTIVE_ERRORS = 100
 
 class DataError(RuntimeError):
     """A shard or sample could not be read; the message names the shard and key."""
+
+
+@dataclass(frozen=True)
+class LoaderSpec(ImageSpec):
+    """What a loader does besides its shards and batches: the image pipeline (the fields of
+    :class:`~distnorm.data.transforms.ImageSpec`), the DataLoader workers and bad data. The
+    one owner of these defaults: :class:`TrainLoader` and :class:`EvalLoader` take them as
+    keywords, the recipe's ``data`` section extends this class."""
+
+    label: ClassVar[str] = "data"
+
+    num_workers: int = param(8, "DataLoader workers per rank (0: load in the main process)", non_negative_int)
+    prefetch_factor: int | None = param(2, "batches each worker loads ahead (None: the DataLoader's default)",
+                                        optional(positive_int))
+    pin_memory: bool | None = param(None, "copy batches to page-locked memory (default: when CUDA is available)",
+                                    optional(boolean))
+    shuffle_buffer: int = param(5000, "training: samples in each worker's shuffle buffer", positive_int)
+    on_error: str = param("raise", "an unreadable shard or undecodable sample: 'raise', or 'skip' it (counted and "
+                                   "reported)", one_of("raise", "skip"))
+
+    @classmethod
+    def of(cls, where: str, options: dict[str, Any]) -> "LoaderSpec":
+        """The spec of a loader's keywords; an unknown one is refused by name."""
+        return from_mapping(cls, options, where)
+
+    def loader_options(self) -> dict[str, Any]:
+        """This spec's fields as loader keywords (a subclass's own fields left out)."""
+        return {f.name: getattr(self, f.name) for f in fields(LoaderSpec)}
 
 
 #: How an unreadable shard's or sample's error says to go on. ``distnorm-train`` puts its own
@@ -329,8 +365,9 @@ class _TrainStream(IterableDataset):
             # whether or not earlier samples were skipped (resume) or transformed.
             for index, sample in enumerate(src, start=skipped * self.batch_size):
                 # The CPU generator alone: torch.manual_seed also seeds every accelerator
-                # and (torch 2.14) records a stack trace per call — 23 % of a decode pass
-                # when profiled. The transforms run on the CPU and draw only from it.
+                # and records a stack trace per call, a large share of a decode pass
+                # (docs/reference/benchmarks.md, "Data"). The transforms run on the CPU
+                # and draw only from it.
                 torch.default_generator.manual_seed(_seed(role_seed, index))
                 row = _decode(sample, self.transform, log)
                 if row is not None:
@@ -374,12 +411,11 @@ class _TrainStream(IterableDataset):
 class _LoaderBase:
     """DataLoader construction shared by the train and eval loaders."""
 
-    def __init__(self, num_workers: int, prefetch_factor: int | None, pin_memory: bool | None):
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
-        self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+    def __init__(self, spec: LoaderSpec, train: bool):
+        self.spec = spec
+        self.num_workers, self.prefetch_factor = spec.num_workers, spec.prefetch_factor
+        self.pin_memory = torch.cuda.is_available() if spec.pin_memory is None else spec.pin_memory
+        self.transform = spec.build(train)
         self.skipped = 0
         self.skip_messages: list[str] = []
         # Batches of the last epoch that workers wrote into a newly allocated shared buffer;
@@ -433,21 +469,15 @@ class TrainLoader(_LoaderBase):
         num_samples: samples in the training set (e.g. ``ShardIndex.total``).
         batch_size: per-rank batch size; the global batch is ``batch_size * world_size``.
         rank, world_size: this process's data-parallel coordinates.
-        seed: base seed; the shard stream depends on ``(seed, epoch)`` only.
-        epoch: initial epoch (see :meth:`set_epoch`).
-        num_workers, prefetch_factor, pin_memory: DataLoader settings (``pin_memory``
-            defaults to whether CUDA is available).
-        shuffle_buffer: samples in each worker's shuffle buffer.
-        transform: a preset name (:data:`TRANSFORM_PRESETS`), an
-            :class:`~distnorm.data.transforms.ImageTransform`, or any callable on PIL images.
-        image_size: output side for presets.
-        reduced_decode: presets only: decode JPEGs at 1/2, 1/4 or 1/8 size where the crop
-            allows it (:mod:`distnorm.data.transforms`).
-        decoder, decode_device: presets only: ``"pil"`` or ``"torchvision"``; with a
-            ``decode_device`` (e.g. ``"cuda"``) batches are decoded there, in the main
-            process, and arrive on that device (:mod:`distnorm.data.transforms`).
-        on_error: ``"raise"`` or ``"skip"``.
+        seed: base seed; the shard stream depends on ``(seed, epoch)`` only (the epoch:
+            :meth:`set_epoch`).
         return_keys: also yield the sample keys (for debugging and tests).
+        **options: fields of :class:`LoaderSpec`, its defaults for the rest: ``transform``
+            (a preset name or a callable on PIL images), ``image_size``, ``reduced_decode``,
+            ``decoder``, ``decode_device`` (with a device, batches are decoded there, in the
+            main process, and arrive on it: :mod:`distnorm.data.transforms`),
+            ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``shuffle_buffer``,
+            ``on_error`` (``"raise"`` or ``"skip"``).
 
     Example (``digits_shards``: the folder ``make demo`` writes the demo digits' shards to;
     for ImageNet, ``data/imagenet/train-{000000..001281}.tar`` and its index):
@@ -464,40 +494,17 @@ class TrainLoader(_LoaderBase):
         ((32, 3, 32, 32), torch.int64)
     """
 
-    def __init__(
-        self,
-        shards: str | Sequence[str],
-        *,
-        num_samples: int,
-        batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        epoch: int = 0,
-        num_workers: int = 4,
-        prefetch_factor: int | None = 2,
-        pin_memory: bool | None = None,
-        shuffle_buffer: int = 5000,
-        transform: str | Callable = "imagenet",
-        image_size: int = 224,
-        reduced_decode: bool = False,
-        decoder: str = "pil",
-        decode_device: str | torch.device | None = None,
-        on_error: str = "raise",
-        return_keys: bool = False,
-    ):
-        super().__init__(num_workers, prefetch_factor, pin_memory)
-        _check_common(batch_size, rank, world_size, on_error)
+    def __init__(self, shards: str | Sequence[str], *, num_samples: int, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, return_keys: bool = False, **options: Any):
+        super().__init__(LoaderSpec.of("TrainLoader", options), train=True)
+        _check_common(batch_size, rank, world_size)
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         self.urls = expand_urls(shards)
         self.num_samples, self.batch_size = num_samples, batch_size
-        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
+        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, 0
         self.skip_batches = 0
-        self.shuffle_buffer, self.on_error, self.return_keys = shuffle_buffer, on_error, return_keys
-        self.transform = build_transform(transform, train=True, image_size=image_size, reduced_decode=reduced_decode,
-                                         decoder=decoder, decode_device=decode_device) \
-            if isinstance(transform, str) else transform
+        self.shuffle_buffer, self.on_error, self.return_keys = self.spec.shuffle_buffer, self.spec.on_error, return_keys
 
     def __len__(self) -> int:
         """Batches per epoch, identical on every rank: ``ceil(num_samples / global batch)``."""
@@ -602,41 +609,20 @@ class EvalLoader(_LoaderBase):
         index: the :class:`ShardIndex` (or its path) giving each shard's sample count.
         batch_size: per-rank batch size.
         rank, world_size: data-parallel coordinates.
-        num_workers, prefetch_factor, pin_memory: DataLoader settings.
-        transform: preset name or callable; ``image_size`` its output side.
-        reduced_decode: presets only: decode JPEGs at a reduced size where the resize allows it.
-        decoder, decode_device: presets only: as for :class:`TrainLoader`.
-        on_error: ``"raise"`` or ``"skip"`` (bad samples become masked placeholders).
+        **options: fields of :class:`LoaderSpec`, as for :class:`TrainLoader`
+            (``shuffle_buffer`` is not used; with ``on_error="skip"`` bad samples become
+            masked placeholders).
     """
 
-    def __init__(
-        self,
-        shards: str | Sequence[str],
-        *,
-        index: ShardIndex | str,
-        batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        num_workers: int = 2,
-        prefetch_factor: int | None = 2,
-        pin_memory: bool | None = None,
-        transform: str | Callable = "imagenet",
-        image_size: int = 224,
-        reduced_decode: bool = False,
-        decoder: str = "pil",
-        decode_device: str | torch.device | None = None,
-        on_error: str = "raise",
-    ):
-        super().__init__(num_workers, prefetch_factor, pin_memory)
-        _check_common(batch_size, rank, world_size, on_error)
+    def __init__(self, shards: str | Sequence[str], *, index: ShardIndex | str, batch_size: int, rank: int = 0,
+                 world_size: int = 1, **options: Any):
+        super().__init__(LoaderSpec.of("EvalLoader", options), train=False)
+        _check_common(batch_size, rank, world_size)
         self.index = ShardIndex.load(index) if isinstance(index, str) else index
         self.urls = expand_urls(shards)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
-        self.on_error, self.image_size = on_error, image_size
-        self.transform = build_transform(transform, train=False, image_size=image_size, reduced_decode=reduced_decode,
-                                         decoder=decoder, decode_device=decode_device) \
-            if isinstance(transform, str) else transform
-        workers = max(num_workers, 1)
+        self.on_error, self.image_size = self.spec.on_error, self.spec.image_size
+        workers = max(self.num_workers, 1)
         counts = [self.index.count_for(u) for u in self.urls]
         self._counts = dict(zip(self.urls, counts))
 
@@ -673,10 +659,8 @@ class EvalLoader(_LoaderBase):
         self._report(f"eval loader (rank {self.rank})")
 
 
-def _check_common(batch_size: int, rank: int, world_size: int, on_error: str) -> None:
+def _check_common(batch_size: int, rank: int, world_size: int) -> None:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")

@@ -260,9 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="write in the source's order (an ImageFolder's is class by class: shards of one class)")
     parser.add_argument("--split", default="train", help="digits / torchvision split: train or val (default train)")
     parser.add_argument("--num-samples", type=int, default=10_000, help="synthetic: number of images")
-    parser.add_argument("--num-classes", type=int, default=1000, help="synthetic: number of classes")
-    parser.add_argument("--image-size", type=int, default=224, help="synthetic: image side in pixels")
-    parser.add_argument("--seed", type=int, default=0, help="synthetic: seed")
+    # The synthetic source's own defaults (SyntheticSource owns them).
+    parser.add_argument("--num-classes", type=int, default=SyntheticSource.num_classes,
+                        help="synthetic: number of classes")
+    parser.add_argument("--image-size", type=int, default=SyntheticSource.image_size,
+                        help="synthetic: image side in pixels")
+    parser.add_argument("--seed", type=int, default=SyntheticSource.seed, help="synthetic: seed")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 

@@ -16,8 +16,9 @@ Calling an :class:`ImageTransform` on one PIL image gives exactly the ``Compose`
 
 **Decoding down to the crop** (PIL, RandomResizedCrop first, always on): the crop is drawn on
 the size in the JPEG's header (the transform's own draw), and the decoder stops after the
-crop's last row (:func:`_jpeg_rows`): the same pixels as a full decode, about 20 % less
-decoding on ImageNet-shaped images. Files it does not apply to are decoded in full.
+crop's last row (:func:`_jpeg_rows`): the same pixels as a full decode, for less decoding
+work (the rows below the crop are never decoded; measured on docs/reference/benchmarks.md).
+Files it does not apply to are decoded in full.
 
 **Reduced-size decoding** (``reduced_decode=True``, opt-in): when the geometry shrinks the
 image anyway, libjpeg decodes it at 1/2, 1/4 or 1/8 of its size (DCT scaling, PIL's
@@ -46,22 +47,109 @@ from __future__ import annotations
 import functools
 import io
 import math
-from typing import Callable, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 from distnorm.data.batches import shared_tensor
+from distnorm.settings import Section, boolean, one_of, optional, param, positive_int
 
-__all__ = ["ImageTransform", "Deferred", "build_transform", "TRANSFORM_PRESETS", "DECODERS", "IMAGENET_MEAN",
-           "IMAGENET_STD"]
+__all__ = ["ImageSpec", "ImageTransform", "Deferred", "build_transform", "TRANSFORM_PRESETS", "DECODERS",
+           "IMAGENET_MEAN", "IMAGENET_STD"]
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 TRANSFORM_PRESETS = ("imagenet", "cifar", "digits")
 DECODERS = ("pil", "torchvision")
 _DCT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes at, largest first
+_DEFERRED_DEVICES = ("cpu", "cuda")
+
+
+def _preset_or_callable(value: Any) -> str | None:
+    if callable(value) or value in TRANSFORM_PRESETS:
+        return None
+    return f"must be a preset, one of {TRANSFORM_PRESETS}, or a callable on PIL images"
+
+
+def _device(value: Any) -> str | None:
+    if isinstance(value, torch.device) or (isinstance(value, str) and value.split(":")[0] in _DEFERRED_DEVICES):
+        return None
+    return "must be 'cpu', 'cuda', 'cuda:N' or a torch.device"
+
+
+@dataclass(frozen=True)
+class ImageSpec(Section):
+    """How a sample becomes a tensor: a preset's geometry at ``image_size``, decoded by
+    ``decoder`` (see the module docs). The one owner of these defaults: :func:`build_transform`,
+    :class:`ImageTransform`, the loaders (:class:`~distnorm.data.loaders.LoaderSpec` extends
+    this) and the recipe's ``data`` section take them from here.
+
+    Example:
+        >>> transform = ImageSpec(transform="digits", image_size=32).build(train=False)
+        >>> transform.decoder, transform.mean
+        ('pil', (0.5, 0.5, 0.5))
+        >>> ImageSpec(decoder="torchvision", reduced_decode=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: data: reduced_decode is PIL's DCT scaling: it needs decoder='pil'
+    """
+
+    label: ClassVar[str] = "data"
+    qualified: ClassVar[bool] = True
+
+    transform: str | Callable = param("imagenet", f"augmentation preset ({', '.join(TRANSFORM_PRESETS)}); in Python "
+                                                  "also any callable on PIL images", _preset_or_callable)
+    image_size: int = param(224, "side of the preset's output (the training crop; evaluation resizes to 256/224 "
+                                 "of it and crops the centre)", positive_int)
+    reduced_decode: bool = param(False, "decode JPEGs at 1/2, 1/4 or 1/8 size where the crop or resize shrinks them "
+                                        "at least that much (libjpeg DCT scaling; pixels differ slightly)", boolean)
+    decoder: str = param("pil", "JPEG decoder: 'pil' (Pillow, PIL geometry) or 'torchvision' (torchvision.io, "
+                                "tensor geometry)", one_of(*DECODERS))
+    decode_device: str | torch.device | None = param(
+        None, "decode each batch in the main process on this device ('cuda' on GPU hosts; needs decoder: "
+              "torchvision); unset: in the workers", optional(_device))
+
+    def _check_together(self) -> None:
+        if callable(self.transform):
+            return
+        try:  # the decoder's rules, on both geometries, before any worker starts
+            for train in (True, False):
+                _check_decoding(_preset(self.transform, train, self.image_size)[0], self.reduced_decode, self.decoder,
+                                self.decode_device)
+        except ValueError as err:
+            raise ValueError(f"{self.label}: {err}") from None
+
+    def build(self, train: bool) -> Callable:
+        """The training (``train=True``) or evaluation transform: an :class:`ImageTransform`
+        for a preset, else the callable given."""
+        if callable(self.transform):
+            return self.transform
+        geometry, mean, std = _preset(self.transform, train, self.image_size)
+        return ImageTransform(geometry, mean, std, reduced_decode=self.reduced_decode, decoder=self.decoder,
+                              decode_device=self.decode_device)
+
+
+def _check_decoding(geometry: Sequence[Callable], reduced_decode: bool, decoder: str,
+                    decode_device: str | torch.device | None) -> None:
+    """What each decoder supports; an error names the setting to change."""
+    from torchvision import transforms as T
+
+    if decoder not in DECODERS:
+        raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
+    if decode_device is not None and decoder != "torchvision":
+        raise ValueError("decode_device needs decoder='torchvision' (PIL decodes on the CPU, in the workers)")
+    if reduced_decode and decoder != "pil":
+        raise ValueError("reduced_decode is PIL's DCT scaling: it needs decoder='pil'")
+    if decode_device is not None:
+        supported = (T.RandomResizedCrop, T.RandomHorizontalFlip, T.Resize, T.CenterCrop)
+        unsupported = [type(g).__name__ for g in geometry if not isinstance(g, supported)]
+        if unsupported or any(isinstance(g, T.RandomResizedCrop) for g in geometry[1:]):
+            raise ValueError(f"decode_device supports the ImageNet presets' steps (RandomResizedCrop first, "
+                             f"RandomHorizontalFlip, Resize, CenterCrop), not {unsupported or list(geometry)}; "
+                             "leave decode_device unset to decode in the workers")
 
 
 class Deferred(NamedTuple):
@@ -84,22 +172,11 @@ class ImageTransform:
     """
 
     def __init__(self, geometry: Sequence[Callable], mean: Sequence[float], std: Sequence[float], *,
-                 reduced_decode: bool = False, decoder: str = "pil", decode_device: str | torch.device | None = None):
+                 reduced_decode: bool = ImageSpec.reduced_decode, decoder: str = ImageSpec.decoder,
+                 decode_device: str | torch.device | None = ImageSpec.decode_device):
         from torchvision import transforms as T
 
-        if decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
-        if decode_device is not None and decoder != "torchvision":
-            raise ValueError("decode_device needs decoder='torchvision' (PIL decodes on the CPU, in the workers)")
-        if reduced_decode and decoder != "pil":
-            raise ValueError("reduced_decode is PIL's DCT scaling: it needs decoder='pil'")
-        if decode_device is not None:
-            supported = (T.RandomResizedCrop, T.RandomHorizontalFlip, T.Resize, T.CenterCrop)
-            unsupported = [type(g).__name__ for g in geometry if not isinstance(g, supported)]
-            if unsupported or any(isinstance(g, T.RandomResizedCrop) for g in geometry[1:]):
-                raise ValueError(f"decode_device supports the ImageNet presets' steps (RandomResizedCrop first, "
-                                 f"RandomHorizontalFlip, Resize, CenterCrop), not {unsupported or list(geometry)}; "
-                                 "leave decode_device unset to decode in the workers")
+        _check_decoding(geometry, reduced_decode, decoder, decode_device)
         self.geometry = list(geometry)
         self.mean, self.std = tuple(mean), tuple(std)
         self.reduced_decode, self.decoder = reduced_decode, decoder
@@ -115,7 +192,7 @@ class ImageTransform:
         steps = ", ".join(repr(g) for g in self.geometry)
         extra = "".join(f", {k}={v!r}" for k, v in (("reduced_decode", self.reduced_decode), ("decoder", self.decoder),
                                                     ("decode_device", self.decode_device))
-                        if v not in (False, "pil", None))
+                        if v != getattr(ImageSpec, k))
         return f"ImageTransform([{steps}], mean={self.mean}, std={self.std}{extra})"
 
     # ------------------------------------------------------------------ one image
@@ -397,30 +474,34 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return shared_tensor(shape, dtype)
 
 
-def build_transform(preset: str, *, train: bool, image_size: int, reduced_decode: bool = False, decoder: str = "pil",
-                    decode_device: str | torch.device | None = None) -> ImageTransform:
-    """The image transform of a recipe.
+def build_transform(preset: str, *, train: bool, image_size: int, **decoding: Any) -> ImageTransform:
+    """The image transform of a preset: ``ImageSpec(preset, image_size, **decoding).build(train)``.
 
     ``imagenet``: train = RandomResizedCrop + horizontal flip (pytorch/examples imagenet),
     eval = resize to 256/224 of the size + center crop. ``cifar``: train = 4-pixel padded
     random crop + flip. ``digits``: 2-pixel padded random crop, no flip (digits are not
     mirror-symmetric). All end with ToTensor and per-channel normalization; the result is an
-    :class:`ImageTransform` (``reduced_decode``, ``decoder``, ``decode_device``: see the module docs).
+    :class:`ImageTransform`. ``decoding``: ``reduced_decode``, ``decoder``, ``decode_device``
+    (:class:`ImageSpec`; see the module docs).
     """
+    if not isinstance(preset, str):
+        raise ValueError(f"build_transform needs a preset name, one of {TRANSFORM_PRESETS}; got {preset!r}")
+    return ImageSpec(transform=preset, image_size=image_size, **decoding).build(train)
+
+
+def _preset(preset: str, train: bool, image_size: int) -> tuple[list[Callable], tuple[float, ...], tuple[float, ...]]:
+    """A preset's geometry (torchvision transforms on PIL images), mean and std."""
     from torchvision import transforms as T
 
     if preset == "imagenet":
         geometry = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()] if train else [
             T.Resize(int(round(image_size * 256 / 224))), T.CenterCrop(image_size)]
-        mean, std = IMAGENET_MEAN, IMAGENET_STD
-    elif preset == "cifar":
+        return geometry, IMAGENET_MEAN, IMAGENET_STD
+    if preset == "cifar":
         geometry = [T.RandomCrop(image_size, padding=4), T.RandomHorizontalFlip()] if train else [
             T.Resize(image_size), T.CenterCrop(image_size)]
-        mean, std = CIFAR_MEAN, CIFAR_STD
-    elif preset == "digits":
+        return geometry, CIFAR_MEAN, CIFAR_STD
+    if preset == "digits":
         geometry = [T.RandomCrop(image_size, padding=2)] if train else [T.Resize(image_size), T.CenterCrop(image_size)]
-        mean, std = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
-    else:
-        raise ValueError(f"unknown transform preset {preset!r}; choose one of {TRANSFORM_PRESETS}")
-    return ImageTransform(geometry, mean, std, reduced_decode=reduced_decode, decoder=decoder,
-                          decode_device=decode_device)
+        return geometry, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    raise ValueError(f"unknown transform preset {preset!r}; choose one of {TRANSFORM_PRESETS}")

@@ -37,7 +37,7 @@ import yaml
 
 from distnorm import models
 from distnorm.config import DistNormConfig
-from distnorm.data.transforms import DECODERS, TRANSFORM_PRESETS, build_transform
+from distnorm.data.loaders import LoaderSpec
 from distnorm.settings import (
     Section,
     boolean,
@@ -78,7 +78,10 @@ class ModelConfig(Section):
 
 
 @dataclass(frozen=True)
-class DataConfig(Section):
+class DataConfig(LoaderSpec):
+    """The loaders' settings (:class:`~distnorm.data.loaders.LoaderSpec`, which owns their
+    defaults), with the shards and what only a recipe decides."""
+
     label: ClassVar[str] = "data"
     qualified: ClassVar[bool] = True
 
@@ -86,33 +89,10 @@ class DataConfig(Section):
     train_index: str | None = param(None, "index file of the training shards (distnorm.data.shards)")
     val_shards: str | None = param(None, "evaluation shards, a brace pattern")
     val_index: str | None = param(None, "index file of the evaluation shards")
-    transform: str = param("imagenet", "augmentation preset", one_of(*TRANSFORM_PRESETS))
-    image_size: int = param(224, "training crop size", positive_int)
-    reduced_decode: bool = param(False, "decode JPEGs at 1/2, 1/4 or 1/8 size where the crop or resize shrinks "
-                                        "them at least that much (libjpeg DCT scaling; pixels differ slightly)", boolean)
-    decoder: str = param("pil", "JPEG decoder: 'pil' (Pillow, PIL geometry) or 'torchvision' (torchvision.io, "
-                                "tensor geometry)", one_of(*DECODERS))
-    decode_device: str | None = param(None, "decode each batch in the main process on this device ('cuda' on GPU "
-                                            "hosts; needs decoder: torchvision); unset: in the workers",
-                                      optional(one_of("cpu", "cuda")))
-    num_workers: int = param(8, "DataLoader workers per rank (training)", non_negative_int)
-    eval_workers: int = param(4, "DataLoader workers per rank (evaluation)", non_negative_int)
-    prefetch_factor: int = param(2, "batches each worker loads ahead", positive_int)
-    shuffle_buffer: int = param(5000, "samples in the shuffle buffer per worker", positive_int)
+    eval_workers: int = param(4, "DataLoader workers per rank for evaluation (num_workers: for training)",
+                              non_negative_int)
     eval_batch_size: int | None = param(None, "per-rank evaluation batch (default: the training per-rank batch)",
                                         optional(positive_int))
-    on_error: str = param("raise", "an undecodable sample: 'raise', or 'skip' it (counted and reported)",
-                          one_of("raise", "skip"))
-
-    def _check_together(self) -> None:
-        if (self.decoder, self.decode_device, self.reduced_decode) == ("pil", None, False):
-            return
-        try:  # the transform's own rules (which decoder, which preset steps, which device)
-            for train in (True, False):
-                build_transform(self.transform, train=train, image_size=self.image_size, decoder=self.decoder,
-                                decode_device=self.decode_device, reduced_decode=self.reduced_decode)
-        except ValueError as err:
-            raise ValueError(f"data: {err}") from None
 
 
 @dataclass(frozen=True)

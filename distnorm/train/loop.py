@@ -305,20 +305,13 @@ def build_loaders(cfg: TrainConfig, rank: int, world: int, per_rank: int) -> tup
             "order, so batches are not mixed and batch statistics are biased. Rewrite them with "
             "distnorm-shards, which writes samples in a seeded random order.",
             len(class_sorted), len(index.shards), class_sorted[:3])
-    train_loader = TrainLoader(
-        d.train_shards, num_samples=index.total, batch_size=per_rank, rank=rank, world_size=world,
-        seed=cfg.train.seed, num_workers=d.num_workers, prefetch_factor=d.prefetch_factor,
-        shuffle_buffer=d.shuffle_buffer, transform=d.transform, image_size=d.image_size,
-        reduced_decode=d.reduced_decode, decoder=d.decoder, decode_device=d.decode_device, on_error=d.on_error,
-    )
+    options = d.loader_options()  # the data section is a LoaderSpec: every loader setting, one owner
+    train_loader = TrainLoader(d.train_shards, num_samples=index.total, batch_size=per_rank, rank=rank,
+                               world_size=world, seed=cfg.train.seed, **options)
     eval_loader = None
     if d.val_shards:
-        eval_loader = EvalLoader(
-            d.val_shards, index=d.val_index, batch_size=d.eval_batch_size or per_rank, rank=rank,
-            world_size=world, num_workers=d.eval_workers, prefetch_factor=d.prefetch_factor,
-            transform=d.transform, image_size=d.image_size, reduced_decode=d.reduced_decode, decoder=d.decoder,
-            decode_device=d.decode_device, on_error=d.on_error,
-        )
+        eval_loader = EvalLoader(d.val_shards, index=d.val_index, batch_size=d.eval_batch_size or per_rank, rank=rank,
+                                 world_size=world, **{**options, "num_workers": d.eval_workers})
     return train_loader, eval_loader
 
 
