@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,33 @@ class BNPLayerState:
 
     def group(self) -> ProcessGroup | None:
         return _collectives.sync_group(self.process_group)
+
+    #: What one forward leaves for its backward or for a recomputation: references into a
+    #: graph of this process (the stash holds weak ones), never pickled or copied.
+    RUNTIME_FIELDS = ("pending", "holder", "count", "active", "aliases")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling / deepcopy: the configuration and the hooks, not the stash and not the
+        current forward's fields (a loaded layer starts with none pending)."""
+        state = dict(self.__dict__)
+        state.update(dict.fromkeys(self.RUNTIME_FIELDS), stash=None, key=-1)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A fresh stash; the layer that holds this state registers it under a new key
+        (:mod:`distnorm.bnp`)."""
+        self.__dict__.update(state)
+        self.stash = Stash()
+
+    def __deepcopy__(self, memo: dict) -> "BNPLayerState":
+        """Like pickling, but the process group is shared: a group is a handle, not data."""
+        new = BNPLayerState.__new__(BNPLayerState)
+        memo[id(self)] = new
+        state = self.__getstate__()
+        group = state.pop("process_group")
+        new.__setstate__(copy.deepcopy(state, memo))
+        new.process_group = group
+        return new
 
 
 @torch.no_grad()

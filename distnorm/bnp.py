@@ -177,14 +177,45 @@ def _preconditioned_class(cls: type) -> type:
     """``cls`` with ``weight`` / ``bias`` properties: the Parameters, or during a training
     forward their preconditioned aliases — the way ``torch.nn.utils.parametrize`` changes
     a layer's weight without replacing its ``forward``. The Parameters, the state dict and
-    the optimizer are untouched; ``isinstance`` and the class name are kept."""
+    the optimizer are untouched; ``isinstance`` and the class name are kept.
+
+    The class is made per layer class (timm's ``Conv2dSame`` needs its own), so it cannot
+    be found by name: a pickled layer records ``cls`` and is given this class again on
+    loading (:func:`_reduce_preconditioned`), ``torch.save(model)`` and ``copy.deepcopy``
+    included."""
     if cls not in _CLASSES:
         _CLASSES[cls] = type(cls.__name__, (cls,), {
             "weight": property(_weight, _setter("weight"), _deleter("weight")),
             "bias": property(_bias, _setter("bias"), _deleter("bias")),
+            "__reduce_ex__": _reduce_preconditioned, "__setstate__": _setstate_preconditioned,
             "__module__": cls.__module__, "_distnorm_original_class": cls,
         })
     return _CLASSES[cls]
+
+
+def _reduce_preconditioned(module: nn.Module, protocol: int) -> tuple[Any, ...]:
+    """Pickle a preconditioned layer as its own class (which pickle finds by name), made
+    preconditioned again by :func:`_preconditioned_instance` on loading; the rest (its
+    ``__dict__``: Parameters, buffers, hooks, BNP's state) as ``nn.Module`` pickles it."""
+    _, _, *state = object.__reduce_ex__(module, max(protocol, 2))
+    return (_preconditioned_instance, (module._distnorm_original_class,), *state)
+
+
+def _preconditioned_instance(cls: type) -> nn.Module:
+    """An empty ``cls`` object of the preconditioned class, for pickle to fill."""
+    module = cls.__new__(cls)
+    module.__class__ = _preconditioned_class(cls)
+    return module
+
+
+def _setstate_preconditioned(module: nn.Module, state: dict[str, Any]) -> None:
+    """The layer class's own ``__setstate__``, then register the loaded layer's BNP state
+    under a key of its own (the operators find a layer's state by key under
+    ``torch.compile``)."""
+    module._distnorm_original_class.__setstate__(module, state)
+    bnp_state = module.__dict__.get("_distnorm_bnp")
+    if bnp_state is not None:
+        _functions.register(bnp_state)
 
 
 def _post_forward(module: nn.Module, args: tuple, output: Any) -> None:

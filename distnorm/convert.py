@@ -14,9 +14,10 @@ on models they own, not only on ours.
 * ``"gn"`` swaps each BatchNorm for ``nn.GroupNorm`` (for BNP + GN); ``"none"`` removes them.
 * **Fused norm + activation** modules (timm's ``BatchNormAct2d`` / ``SyncBatchNormAct``: a
   BatchNorm subclass with ``drop`` and ``act`` children, applied after the normalization)
-  keep their activation: ``"bn"`` / ``"gn"`` give the new norm the same ``drop`` and
-  ``act`` children (``state_dict`` keys unchanged), the pre-op modes and ``"none"`` leave
-  ``drop`` → ``act`` where the BatchNorm was.
+  keep their activation: ``"bn"`` / ``"gn"`` make the new norm a :class:`SyncBatchNormAct`
+  / :class:`GroupNormAct` with the same ``drop`` and ``act`` children (``state_dict`` keys
+  unchanged; classes written out here, so a converted model pickles), the pre-op modes and
+  ``"none"`` leave ``drop`` → ``act`` where the BatchNorm was.
 * ``activation=`` swaps every activation module for relu / sigmoid / tanh / selu / swish,
   keeping the sigmoid gates of squeeze-excitation blocks (found from the dataflow: an
   activation whose output multiplies another tensor). It also turns ``inplace=True`` off
@@ -47,7 +48,8 @@ from distnorm.specs import KEEP, NORM_LABELS, NORM_SPECS, NORMS, CBNSpec, GNSpec
 #: What ``convert(norm=...)`` accepts besides a name.
 NormSpec = CBNSpec | POPNormSpec | SyncBNSpec | GNSpec
 
-__all__ = ["NORMS", "ACTIVATIONS", "PreNorm", "convert", "revert", "conversion_summary"]
+__all__ = ["NORMS", "ACTIVATIONS", "PreNorm", "SyncBatchNormAct", "GroupNormAct", "NORM_ACT_CLASSES", "convert",
+           "revert", "conversion_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,23 +169,50 @@ def _fused_activation(bn: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 
 class _NormAct:
-    """Mixin for the norm + activation classes :func:`_with_activation` builds."""
+    """``act(drop(norm(x)))``: the forward of the norm + activation classes below, which
+    take the place of a fused BatchNorm + activation (timm's ``BatchNormAct2d``).
+
+    Built directly, the norm's own arguments come first, then ``drop=`` / ``act=``
+    (``nn.Identity()`` when not given)."""
+
+    def __init__(self, *args: Any, drop: nn.Module | None = None, act: nn.Module | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.drop = drop if drop is not None else nn.Identity()
+        self.act = act if act is not None else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.drop(super().forward(x)))
 
 
-_NORM_ACT_CLASSES: dict[type, type] = {}
+class SyncBatchNormAct(_NormAct, SyncBatchNorm):
+    """:class:`distnorm.SyncBatchNorm`, then its ``drop`` and ``act`` children: what
+    ``convert(norm="bn")`` makes of timm's ``BatchNormAct2d`` (same ``state_dict`` keys)."""
+
+
+class GroupNormAct(_NormAct, nn.GroupNorm):
+    """``nn.GroupNorm``, then its ``drop`` and ``act`` children: what ``convert(norm="gn")``
+    makes of timm's ``BatchNormAct2d`` (BNP + GN; same ``state_dict`` keys)."""
+
+
+#: The norm + activation class of each norm :func:`convert` puts in place of a fused
+#: BatchNorm + activation (the pre-operation norms sit in front of the conv instead).
+#: Written out at module level, as timm does, so that ``torch.save(model)`` and ``pickle``
+#: find them by name.
+NORM_ACT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    SyncBatchNorm: SyncBatchNormAct,
+    nn.GroupNorm: GroupNormAct,
+}
 
 
 def _with_activation(norm: nn.Module, drop: nn.Module, act: nn.Module) -> nn.Module:
     """``norm`` followed by ``drop`` and ``act`` as its children ``drop`` / ``act`` (the layout
-    of timm's ``BatchNormAct2d``, so state_dict keys do not change)."""
-    cls = type(norm)
-    fused = _NORM_ACT_CLASSES.get(cls)
-    if fused is None:
-        fused = _NORM_ACT_CLASSES[cls] = type(f"{cls.__name__}Act", (_NormAct, cls),
-                                              {"__module__": __name__, "__doc__": f"{cls.__name__} + drop + act."})
+    of timm's ``BatchNormAct2d``, so state_dict keys do not change). ``norm`` keeps its
+    Parameters and buffers: only its class becomes the norm + activation one."""
+    fused = NORM_ACT_CLASSES.get(type(norm))
+    if fused is None:  # an internal invariant: _new_norm builds only these classes
+        raise TypeError(f"convert: no norm + activation class for {type(norm).__name__}; "
+                        f"known: {[cls.__name__ for cls in NORM_ACT_CLASSES]}")
     norm.__class__ = fused
     norm.drop, norm.act = drop, act
     return norm

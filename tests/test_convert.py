@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distnorm
 from distnorm import models
-from distnorm.convert import ACTIVATION_MODULES, BATCH_NORMS, PreNorm
+from distnorm.convert import ACTIVATION_MODULES, BATCH_NORMS, NORMS, PreNorm
 from tests.distributed import run_distributed
 
 INPUT = {"resnet18": 64, "resnet50": 64, "efficientnet_b0": 64, "resnet20": 32, "vgg16": 32}
@@ -300,3 +301,89 @@ def test_resnet50_conversion_summary_is_the_readmes():
         "BatchNorm2d -> removed (pre-op CBN)": 53, "Conv2d -> CBN + Conv2d": 53, "ReLU -> Tanh": 17}
     assert all(m.rho == 2.0 for m in model.modules() if isinstance(m, distnorm.CBN))
     assert distnorm.revert(model) is model
+
+
+# --------------------------------------------------------- saving a converted model whole
+#: One model per source: every zoo model, and the timm model the README converts.
+WHOLE_MODELS = [*(f"zoo:{name}" for name in models.available()), "timm:efficientnet_b0"]
+
+
+def _base_model(source: str) -> tuple[nn.Module, torch.Tensor]:
+    """``source`` ("zoo:<name>" or "timm:<name>") with its own BatchNorm and activations, and
+    a small input (the CIFAR models pool five times; the others reach 1 x 1 from 16 x 16)."""
+    kind, _, name = source.partition(":")
+    x = torch.randn(2, 3, 32, 32) if name in ("resnet20", "vgg16") else torch.randn(2, 3, 16, 16)
+    if kind == "zoo":  # built through convert (the zoo's one path), then given its modules back
+        return distnorm.revert(models.create(name, num_classes=5, norm="bn")), x
+    timm = pytest.importorskip("timm")
+    return timm.create_model(name, num_classes=5), x
+
+
+def _round_trips(model: nn.Module) -> dict[str, nn.Module]:
+    """``model`` through ``torch.save`` / ``torch.load``, ``pickle`` and ``copy.deepcopy``."""
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    return {
+        "torch.save": torch.load(io.BytesIO(buf.getvalue()), weights_only=False),
+        "pickle": pickle.loads(pickle.dumps(model)),
+        "deepcopy": copy.deepcopy(model),
+    }
+
+
+def _behaviour(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What ``model`` computes: its evaluation output, then one training step's output and
+    gradients (BNP's preconditioned ones, when attached: its hooks must work in a loaded
+    model) and the buffers that step leaves. Seeded: stochastic depth and dropout draw."""
+    with torch.no_grad():
+        seen = {"eval": model.eval()(x)}
+    torch.manual_seed(1)
+    model.train().zero_grad(set_to_none=True)
+    out = model(x)
+    out.square().mean().backward()
+    seen["train"] = out.detach()
+    seen.update((f"grad {n}", p.grad) for n, p in model.named_parameters() if p.grad is not None)
+    seen.update((f"buffer {n}", b) for n, b in model.named_buffers())
+    return seen
+
+
+def _assert_own_state(model: nn.Module, twin: nn.Module, how: str) -> None:
+    """``twin`` has ``model``'s classes and state_dict keys, and BNP state of its own: not the
+    original's, registered under another key, with no stashed plan carried over."""
+    assert [type(m) for m in twin.modules()] == [type(m) for m in model.modules()], how
+    assert list(twin.state_dict()) == list(model.state_dict()), how
+    for (name, a), b in zip(model.named_modules(), twin.modules()):
+        state, twin_state = a.__dict__.get("_distnorm_bnp"), b.__dict__.get("_distnorm_bnp")
+        if state is not None:
+            assert twin_state is not state and twin_state.key != state.key, (how, name)
+            assert not twin_state.stash._entries and twin_state.pending is None, (how, name)
+
+
+@pytest.mark.parametrize("source", WHOLE_MODELS)
+def test_converted_models_save_pickle_and_deepcopy_whole(source):
+    """``torch.save(model)`` / ``pickle`` / ``copy.deepcopy`` of a converted model, for every
+    norm, with BNP off and on, taken after a training forward whose graph is still alive:
+    the copy loads, computes what the original computes (BNP's hooks included) and carries
+    none of the original's per-forward state. Bug caught: timm's fused norm + activation
+    class was made with ``type()`` at conversion, so ``norm="bn"`` / ``"gn"`` could not be
+    pickled, and BNP's preconditioned class (made per layer class) not at all."""
+    torch.manual_seed(0)
+    model, x = _base_model(source)
+    for norm in NORMS:
+        distnorm.convert(model, norm=norm)
+        for bnp in (False, True):
+            handle = distnorm.bnp.attach(model) if bnp else None
+            distnorm.set_lr(model, 0.1)
+            pending = model.train()(x)  # stashes hold this forward's plans
+            twins = _round_trips(model)
+            pending.mean().backward()
+            del pending
+            expected = _behaviour(model, x)
+            for how, twin in twins.items():
+                how = f"{source} norm={norm} bnp={bnp} {how}"
+                _assert_own_state(model, twin, how)
+                seen = _behaviour(twin, x)
+                assert seen.keys() == expected.keys(), how
+                assert all(torch.equal(seen[k], v) for k, v in expected.items()), how
+            if handle is not None:
+                handle.detach()
+        distnorm.revert(model)
