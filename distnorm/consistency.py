@@ -11,65 +11,36 @@ by averaging the gradients. :func:`check_consistency` verifies that at any time,
 3. only if some fingerprints differ: the divergent tensors are gathered and compared
    exactly, and the error names each tensor and the groups of ranks that agree.
 
-Only replicated state is compared. A parameter an engine partitions across ranks (ZeRO-3,
-torch FSDP) holds a different shard on every rank by design and is left out, as is
-optimizer state kept for such shards (ZeRO 1-3 optimizers); the integrations say which
-parameters are partitioned (:func:`register_partitioned`; torch FSDP's are known here), so
-which tensors are compared depends only on facts every rank shares, and no rank can be left
-waiting in a collective another skipped.
+Only replicated state is compared. A parameter an engine partitions across ranks (one shard
+per rank: torch FSDP, sharding engines) holds a different shard on every rank by design and is
+left out, as is optimizer state kept for such shards; each engine's registration says which
+parameters it partitions (:class:`distnorm._engines.Engine`), so which tensors are compared
+depends only on facts every rank shares, and no rank can be left waiting in a collective
+another skipped.
 """
 
 from __future__ import annotations
 
-import importlib
-import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, assert_same_across_ranks
-from distnorm._wrappers import fsdp_sharded
+from distnorm._engines import partition_tests
 from distnorm.errors import InconsistentStateError
 from distnorm.layers import _DistNormLayer, name_layers
 
 __all__ = [
     "check_consistency",
     "consistent_tensors",
-    "register_partitioned",
     "assert_same_across_ranks",
     "InconsistentStateError",
 ]
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _GOLDEN = 0x9E3779B1  # odd multiplier: a position-dependent weight for every element
-
-
-#: Tests ``test(parameter) -> bool`` telling a parameter an engine partitions across ranks
-#: (different on every rank by design). Integrations register theirs; see
-#: :func:`register_partitioned`.
-_PARTITIONED: list[Callable[[torch.Tensor], bool]] = [fsdp_sharded]  # torch's own FSDP: known here
-
-#: Engine libraries whose integration registers a partition test: imported (if the script
-#: imported the library) before parameters are selected, so a bare script that never
-#: imported ``distnorm.integrations.<library>`` is covered too.
-_PARTITIONING_LIBRARIES = ("deepspeed",)
-
-
-def register_partitioned(test: Callable[[torch.Tensor], bool]) -> None:
-    """Declare parameters for which ``test(parameter)`` is true as partitioned across ranks
-    (integrations call it; DeepSpeed registers ZeRO-3's partitioned parameters). The test
-    must give the same answer on every rank."""
-    if test not in _PARTITIONED:
-        _PARTITIONED.append(test)
-
-
-def _partition_tests() -> list[Callable[[torch.Tensor], bool]]:
-    for library in _PARTITIONING_LIBRARIES:
-        if library in sys.modules:  # the script uses the engine: its integration knows its shards
-            importlib.import_module(f"distnorm.integrations.{library}")
-    return _PARTITIONED
 
 
 def consistent_tensors(
@@ -85,8 +56,8 @@ def consistent_tensors(
     parameter of ``model`` that is replicated (not partitioned by an engine), named as in
     ``model.named_parameters()``; with ``optimizer`` the tensors of its per-parameter state
     for those parameters (``optimizer[<parameter>].<key>``, e.g. SGD's ``momentum_buffer``).
-    An optimizer whose state is kept for flattened or partitioned copies (DeepSpeed's ZeRO
-    optimizers) holds no state for the model's own parameters, so contributes nothing.
+    An optimizer whose state is kept for flattened or partitioned copies (a sharding engine's
+    optimizer) holds no state for the model's own parameters, so contributes nothing.
     """
     found: list[tuple[str, torch.Tensor]] = []
     for prefix, module in model.named_modules():
@@ -99,7 +70,7 @@ def consistent_tensors(
             buf = module._buffers.get(name)
             if buf is not None:
                 found.append((dot + name, buf))
-    tests = _partition_tests() if parameters or optimizer is not None else []
+    tests = partition_tests() if parameters or optimizer is not None else []
     replicated = [(n, p) for n, p in model.named_parameters() if not any(test(p) for test in tests)]
     if parameters:
         found.extend(replicated)
@@ -153,21 +124,25 @@ def check_consistency(
         process_group: ranks to compare (default: the default group).
         parameters: also compare every replicated parameter (catches replicas whose weights
             drifted apart: a rank that skipped a step, a per-rank edit or load). Parameters
-            an engine partitions (ZeRO-3) are left out: each rank holds its own shard.
+            an engine partitions are left out: each rank holds its own shard.
         optimizer: also compare this optimizer's state for the replicated parameters (a
-            torch optimizer or a wrapper with ``state``: DDP, Accelerate, DeepSpeed ZeRO-0).
+            torch optimizer or an engine's wrapper with ``state``).
 
     Returns:
         The number of tensors compared.
 
     Raises:
         InconsistentStateError: naming each divergent tensor and the ranks that disagree.
+        CollectiveMismatchError: first, when a layer collective since the last check was
+            paired with another layer's on some rank (on a GPU these are compared here at
+            the latest: :mod:`distnorm._frames`), naming every rank's layer.
 
     Example:
         >>> import torch, distnorm
         >>> distnorm.check_consistency(torch.nn.Sequential(distnorm.CBN(4)))
         7
     """
+    _collectives.check_frames()  # before any collective of its own: a misaligned rank stops here
     name_layers(model)
     named = consistent_tensors(model, parameters=parameters, optimizer=optimizer)
     group = _collectives.sync_group(process_group)

@@ -5,9 +5,9 @@
 1. at construction, on the bare model: :func:`distnorm.convert` (norm, activation) and
    optionally :func:`distnorm.bnp.attach`, with the synchronization group of the config;
 2. :meth:`follow` — where AMAT reads the learning rate the optimizer applies at each step
-   (a torch / Accelerate optimizer's ``param_groups``, a DeepSpeed engine's ``get_lr()``, or
-   any callable); it also broadcasts distnorm's buffers from the group's first rank and
-   verifies them (engines such as DeepSpeed do not broadcast buffers at initialisation);
+   (an optimizer's ``param_groups``, a training engine its integration registered, or any
+   callable); it also broadcasts distnorm's buffers from the group's first rank and
+   verifies them (not every engine broadcasts buffers at initialisation);
 3. a forward pre-hook on the model that, before every training forward, hands AMAT the
    learning rate, re-synchronizes buffers after a checkpoint load, and every
    ``check_every`` training forwards runs :func:`distnorm.check_consistency` over the
@@ -16,13 +16,14 @@
    letting a run drift;
 4. ``state_dict()`` / ``load_state_dict()`` for the engines' checkpointing.
 
-The engine-specific few lines live in :mod:`distnorm.integrations.accelerate` and
-:mod:`distnorm.integrations.deepspeed`.
+Nothing here names an engine: what differs between engines (which types wrap a model, how
+``follow`` reads one, which parameters it partitions, how the plugin's state rides in its
+checkpoints) is one :class:`~distnorm._engines.Engine` per engine, registered by its module
+under :mod:`distnorm.integrations`.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import warnings
@@ -37,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distnorm import _collectives
 from distnorm._collectives import assert_same_across_ranks
-from distnorm._wrappers import fsdp_flat
+from distnorm._engines import engine_of, engines, fsdp_flat
 from distnorm.config import DistNormConfig
 from distnorm.consistency import check_consistency, consistent_tensors
 from distnorm.convert import convert
@@ -71,7 +72,7 @@ def _subgroup(size: int, timeout_s: float | None = None) -> Any:
     if not _collectives.is_distributed():
         raise RuntimeError(
             "distnorm: sync_group_size needs torch.distributed to be initialised before the plugin is "
-            "created (Accelerator(), deepspeed.init_distributed() or init_process_group())"
+            "created (init_process_group(), or the engine's own initialisation)"
         )
     world = dist.get_world_size()
     if world % size:
@@ -100,31 +101,6 @@ def buffer_broadcast_needed(plugin: "DistNormPlugin") -> str | None:
         return (f"{len(names)} BatchNorm layer(s) keep per-rank running statistics (e.g. {names[:3]}); "
                 "convert them (norm=bn|cbn|popnorm) to drop the broadcast")
     return None
-
-
-#: Engines the integrations taught the plugin to follow: (engine type, adapter). An adapter
-#: ``adapter(plugin, engine)`` returns the function giving each AMAT layer's learning rate
-#: and may hook the engine (checkpoints). The core knows no engine by itself.
-_ENGINE_ADAPTERS: list[tuple[type, Callable[["DistNormPlugin", Any], Callable[[], list[float]]]]] = []
-
-
-def register_engine(kind: type, adapter: Callable[["DistNormPlugin", Any], Callable[[], list[float]]]) -> None:
-    """Let :meth:`DistNormPlugin.follow` accept instances of ``kind`` (integrations call it)."""
-    if all(k is not kind for k, _ in _ENGINE_ADAPTERS):
-        _ENGINE_ADAPTERS.append((kind, adapter))
-
-
-def _engine_adapter(source: Any) -> Callable | None:
-    """The adapter registered for ``source``'s type. The integration named after the
-    source's library (``distnorm.integrations.<library>``) is imported first, so it has
-    registered its engines whether or not the script imported it."""
-    library = type(source).__module__.split(".")[0]
-    try:
-        importlib.import_module(f"distnorm.integrations.{library}")
-    except ModuleNotFoundError as err:
-        if err.name != f"distnorm.integrations.{library}":
-            raise
-    return next((adapter for kind, adapter in _ENGINE_ADAPTERS if isinstance(source, kind)), None)
 
 
 class DistNormPlugin:
@@ -189,25 +165,25 @@ class DistNormPlugin:
     def follow(self, source: Any) -> "DistNormPlugin":
         """Read AMAT's learning rate from ``source`` before every training forward.
 
-        ``source`` is a torch optimizer (or Accelerate's wrapper: anything with
+        ``source`` is a torch optimizer (or an engine's wrapper of one: anything with
         ``param_groups``) — each AMAT layer follows the group holding its weight, or group 0
-        — a training engine an integration registered (:func:`register_engine`; the
-        DeepSpeed engine: ``get_lr()[0]``), or a callable returning the learning rate. Also
-        broadcasts and verifies distnorm's buffers.
+        — a training engine whose integration registered how to read it
+        (:attr:`Engine.follow <distnorm._engines.Engine>`), or a callable returning the
+        learning rate. Also broadcasts and verifies distnorm's buffers.
         """
         if not self.config.active:
             return self  # nothing of distnorm's to follow, broadcast or verify
-        adapter = _engine_adapter(source)
-        if adapter is not None:  # a training engine: its integration knows how to read it
-            self._lr_of_layer = adapter(self, source)
+        engine = engine_of(source)
+        if engine is not None and engine.follow is not None:  # its integration knows how to read it
+            self._lr_of_layer = engine.follow(self, source)
         elif hasattr(source, "param_groups"):
             groups = source.param_groups
             where = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
             trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
             missing = [n for n, p in trainable if id(p) not in where]
             if len(missing) == len(trainable):
-                # An engine's optimizer over flattened / sharded copies (DeepSpeed under
-                # Accelerate): layers cannot be matched to groups; follow group 0.
+                # An engine's optimizer over flattened / sharded copies of the parameters:
+                # layers cannot be matched to groups; follow group 0.
                 logger.info("distnorm: optimizer holds copies of the parameters; AMAT follows param group 0")
             elif missing:
                 raise ValueError(
@@ -231,9 +207,10 @@ class DistNormPlugin:
         elif callable(source):  # a float, or a tensor the layers read on the device (no host sync)
             self._lr_of_layer = lambda: [source()] * len(self.amat_layers)
         else:
+            followed = ", ".join(e.name for e in engines() if e.follow is not None) or "see distnorm.integrations"
             raise TypeError(
-                f"DistNormPlugin.follow(): expected an optimizer, a DeepSpeed engine or a callable returning "
-                f"the learning rate, got {type(source).__name__}"
+                f"DistNormPlugin.follow(): expected an optimizer, a training engine ({followed}) or a callable "
+                f"returning the learning rate, got {type(source).__name__}"
             )
         self._verify_config()
         self.sync_buffers()
@@ -266,15 +243,15 @@ class DistNormPlugin:
         elif self.amat_layers and self.training_forwards == 0:
             warnings.warn(
                 "distnorm: AMAT layers have no learning-rate source; call plugin.follow(optimizer) "
-                "(or the DeepSpeed engine) once after the engine has prepared the optimizer",
+                "(or the training engine) once after the engine has prepared the optimizer",
                 stacklevel=3,
             )
         self.training_forwards += 1
         every = self.config.check_every
         if every and self.training_forwards % every == 0:
             # Parameters and optimizer state too: a replica whose weights drifted (a rank that
-            # skipped a step, a per-rank load) trains on silently otherwise. Partitioned
-            # parameters (ZeRO-3) are left out by check_consistency itself.
+            # skipped a step, a per-rank load) trains on silently otherwise. Parameters an
+            # engine partitions are left out by check_consistency itself.
             check_consistency(self.model, self.group, parameters=True, optimizer=self.optimizer)
 
     # ---------------------------------------------------------- checkpoints

@@ -51,7 +51,7 @@ def main() -> None:
                 print(f"epoch {epoch} step {step} loss {loss.item():.4f} lr {engine.get_lr()[0]:.4f}")
             if args.max_steps and step >= args.max_steps:
                 break
-    engine.save_checkpoint(args.output_dir)
+    engine.save_checkpoint(args.output_dir, client_state=dn.client_state(plugin))  # distnorm: its state too
     if engine.global_rank == 0:
         print(f"done: {step} steps, checkpoint saved to {args.output_dir}")
     if torch.distributed.is_initialized():

@@ -147,18 +147,32 @@ RESUME = {"accelerate": [CONFIGS[0]], "deepspeed-zero1-zero3": [CONFIGS[3], CONF
 def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine):
     """Save at step 3, resume in fresh processes: the same losses, LRs and final state as the
     uninterrupted run. The uninterrupted run and the first part share a launch (neither
-    needs fresh processes); the resumed part is a launch of its own."""
+    needs fresh processes); the resumed part is a launch of its own.
+
+    The plugin's state rides in each engine's own checkpoint hook (Accelerate's
+    ``register_for_checkpointing``, DeepSpeed's ``client_state``): the resumed plugin counts
+    on from the saved training forwards, and a resume with another distnorm configuration
+    (CBN's rho 3 instead of 1) is refused on every rank, naming both. Bug caught: the plugin's
+    entry left out of the checkpoint (the count restarts at 0, the other configuration
+    resumes silently)."""
     configs = RESUME[engine]
-    full, first, resumed = [], [], []
+    full, first, resumed, refused = [], [], [], []
     for i, config in enumerate(configs):
         args = [*config.values[0], "--distnorm", "cbn", "--distnorm-bnp", "--steps", "6",
                 "--ckpt", str(tmp_path / f"ckpt{i}")]
         full.append((tmp_path / f"full{i}", args))
         first.append((tmp_path / f"first{i}", [*args, "--save-at", "3"]))
         resumed.append((tmp_path / f"resumed{i}", [*args, "--save-at", "3", "--resume"]))
+        refused.append((tmp_path / f"refused{i}", [*args, "--save-at", "3", "--resume", "--distnorm-cbn-rho", "3",
+                                                    "--expect-refused-resume"]))
     records = launch_many(2, [*full, *first])
-    for full_run, resumed_run in zip(records[:len(configs)], launch_many(2, resumed)):
+    after = launch_many(2, [*resumed, *refused])  # the refused resumes last: each raises on its ranks
+    for full_run, resumed_run, refused_run in zip(records[:len(configs)], after, after[len(configs):]):
         _assert_resumed_equals_full(full_run, resumed_run)
+        for a, b, c in zip(full_run, resumed_run, refused_run):
+            assert a["plugin_state"]["training_forwards"] == b["plugin_state"]["training_forwards"] == 6
+            assert "different distnorm configuration" in c.get("error", ""), c.get("error")
+            assert '"rho": 3.0' in c["error"] and '"rho": 1.0' in c["error"], c["error"]
 
 
 def _assert_resumed_equals_full(full: list[dict], resumed: list[dict]) -> None:

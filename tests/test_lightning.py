@@ -133,6 +133,8 @@ def test_lightning_resume_from_checkpoint_equals_uninterrupted(runs):
     assert resumed[0]["steps"] == [3, 4, 5]
     _assert_matches_reference(resumed, run_reference(distnorm.DistNormConfig(norm="cbn", bnp=True)), first_step=3)
     assert resumed[0]["plugin_state"]["plugin"]["config"]["norm"] == "cbn"
+    # the callback state, Lightning's own checkpoint hook, carried the count: 3 saved + 3 resumed
+    assert [r["plugin_state"]["plugin"]["training_forwards"] for r in resumed] == [6, 6]
 
 
 @pytest.mark.timeout(300)

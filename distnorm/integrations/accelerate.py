@@ -14,9 +14,10 @@
 DDP with ``broadcast_buffers=False`` (distnorm's buffers are identical on every rank by
 construction, so DDP's per-step buffer broadcast is pure cost) — unless BatchNorms with
 per-rank running statistics remain unconverted (BNP alone on a BN model), in which case the
-broadcast stays on and a warning says why — and registers the plugin with
-``accelerator.register_for_checkpointing`` so ``save_state`` / ``load_state`` carry its state
-(the model's buffers travel with the model). ``follow(optimizer)`` makes AMAT read the
+broadcast stays on and a warning says why — and registers the plugin with Accelerate's own
+checkpoint hook, ``accelerator.register_for_checkpointing``, so ``save_state`` / ``load_state``
+carry its state (the model's buffers, AMAT's and BNP's statistics, travel with the model);
+after a load the buffers are broadcast and verified at the first training forward. ``follow(optimizer)`` makes AMAT read the
 learning rate the optimizer applies at each step. Without ``--distnorm`` and BNP, the plugin
 lines change nothing at all (no conversion, no DDP setting, no hook, no checkpoint entry).
 
@@ -26,18 +27,18 @@ without it every ``torchrun`` rank silently trains alone.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from typing import Any
 
 from torch import nn
 
-import argparse
-
+from distnorm._engines import Engine, register_engine
 from distnorm.config import DistNormConfig, add_arguments
 from distnorm.plugin import DistNormPlugin, buffer_broadcast_needed
 
-__all__ = ["prepare", "add_arguments"]
+__all__ = ["prepare", "add_arguments", "ENGINE"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,5 +82,19 @@ def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None
     elif handler.broadcast_buffers:
         logger.info("distnorm: turning off DDP broadcast_buffers (buffers are rank-consistent by construction)")
         handler.broadcast_buffers = False
-    accelerator.register_for_checkpointing(plugin)
+    _carry_in_checkpoints(plugin, accelerator)
     return plugin
+
+
+def _carry_in_checkpoints(plugin: DistNormPlugin, accelerator: Any) -> None:
+    """Accelerate's own hook: ``save_state`` stores ``plugin.state_dict()`` and ``load_state``
+    calls ``plugin.load_state_dict()``, which compares the configuration and has the buffers
+    broadcast and verified at the next training forward."""
+    accelerator.register_for_checkpointing(plugin)
+
+
+#: Everything distnorm knows about Accelerate, registered once. Accelerate wraps the model in
+#: torch's DDP / FSDP or DeepSpeed's engine (registered by their own owners), and its optimizer
+#: wrapper has the ``param_groups`` the plugin follows; what is Accelerate's own is the
+#: checkpoint hook.
+ENGINE = register_engine(Engine(name="Accelerate", library="accelerate", checkpoint=_carry_in_checkpoints))

@@ -8,14 +8,26 @@
     engine, optimizer, _, scheduler = deepspeed.initialize(args=args, model=model,
                                                            model_parameters=model.parameters())
     plugin.follow(engine)                                         # + 3
+    ...
+    engine.save_checkpoint(save_dir, client_state=dn.client_state(plugin))   # + 4: where it saves
+    ...
+    _, client_state = engine.load_checkpoint(load_dir)
+    dn.restore(plugin, client_state)                              # + 5: where it loads
 
 ``prepare`` converts the bare model (and attaches BNP) before DeepSpeed partitions or
 flattens its parameters. ``follow(engine)`` makes AMAT read ``engine.get_lr()`` before every
 training forward — whatever scheduler the JSON config defines, warm-up included — and,
-because DeepSpeed does not broadcast buffers at initialisation and ZeRO-3 checkpoints keep
-one copy of the buffers per rank, broadcasts distnorm's buffers from rank 0 now and after
-every ``engine.load_checkpoint``, then verifies them. The plugin's own state is saved in the
-checkpoint's ``client_state["distnorm"]``.
+because DeepSpeed does not broadcast buffers at initialisation, broadcasts distnorm's
+buffers from rank 0 now, then verifies them.
+
+Checkpoints go through DeepSpeed's own hook for a script's state, ``client_state``:
+:func:`client_state` adds the plugin's state (its configuration, the training-forward count)
+under ``"distnorm"`` to the script's own entries, and :func:`restore` reads it back from the
+``client_state`` that ``engine.load_checkpoint`` returns — refusing a checkpoint written with
+another distnorm configuration — and, because ZeRO-3 checkpoints keep one copy of the
+buffers per rank, broadcasts the buffers from rank 0 and verifies them right there (every
+rank loads together). The buffers themselves (AMAT's and BNP's statistics) travel with the
+module's state, as every buffer does.
 
 Without the plugin, a model built from distnorm's layers (or :func:`distnorm.convert`-ed,
 with :func:`distnorm.bnp.attach`) given straight to ``deepspeed.initialize`` trains exactly
@@ -32,16 +44,22 @@ does not clip. Set it to ``0``, or clip the reference with
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from typing import Any, Callable
 
 from torch import nn
 
-from distnorm._wrappers import register_wrapper
+from distnorm._engines import Engine, register_engine
 from distnorm.config import DistNormConfig, add_arguments
-from distnorm.consistency import register_partitioned
-from distnorm.plugin import DistNormPlugin, register_engine
+from distnorm.plugin import DistNormPlugin
 
-__all__ = ["prepare", "add_arguments"]
+__all__ = ["prepare", "add_arguments", "client_state", "restore", "ENGINE"]
+
+logger = logging.getLogger(__name__)
+
+#: The key of the plugin's state in DeepSpeed's ``client_state``.
+STATE_KEY = "distnorm"
 
 
 def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None = None) -> DistNormPlugin:
@@ -57,11 +75,49 @@ def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None
     return DistNormPlugin(model, config)
 
 
+def client_state(plugin: DistNormPlugin, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``client_state`` to give ``engine.save_checkpoint``: the script's own ``state``
+    and the plugin's under ``"distnorm"`` (nothing added when distnorm is off).
+
+    Example::
+
+        engine.save_checkpoint(save_dir, client_state=dn.client_state(plugin, {"epoch": epoch}))
+    """
+    state = dict(state or {})
+    if not plugin.config.active:
+        return state  # off is off: no checkpoint entry
+    if STATE_KEY in state:
+        raise ValueError(f"client_state already has a {STATE_KEY!r} entry: distnorm keeps its state under that key; "
+                         "rename the script's entry")
+    state[STATE_KEY] = plugin.state_dict()
+    return state
+
+
+def restore(plugin: DistNormPlugin, client_state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Read the plugin's state from what ``engine.load_checkpoint`` returned, broadcast and
+    verify the buffers (collective: every rank calls it right after the load), and return the
+    script's own entries. ``None`` (DeepSpeed found no checkpoint) is returned as it is.
+
+    Raises:
+        ValueError: the checkpoint was written with another distnorm configuration.
+    """
+    if client_state is None or not plugin.config.active:
+        return client_state
+    rest = dict(client_state)
+    saved = rest.pop(STATE_KEY, None)
+    if saved is not None:
+        plugin.load_state_dict(saved)
+    else:
+        logger.warning("distnorm: the checkpoint holds no distnorm state (saved without dn.client_state(plugin)); "
+                       "its configuration cannot be compared with this run's")
+    plugin.resync_now()  # ZeRO-3 loads one copy of the buffers per rank: make them one again
+    return rest
+
+
 def _follow_engine(plugin: DistNormPlugin, engine: Any) -> Callable[[], list[float]]:
-    """AMAT reads ``engine.get_lr()[0]`` (ZeRO flattens the parameter groups); the plugin's
-    state travels in DeepSpeed's checkpoints; the periodic check also compares the engine's
-    optimizer state where it is replicated (ZeRO-0: the client optimizer itself)."""
-    _carry_state_in_checkpoints(plugin, engine)
+    """AMAT reads ``engine.get_lr()[0]`` (ZeRO flattens the parameter groups); the periodic
+    check also compares the engine's optimizer state where it is replicated (ZeRO-0: the
+    client optimizer itself)."""
     plugin.optimizer = getattr(engine, "optimizer", None)
     return lambda: [engine.get_lr()[0]] * len(plugin.amat_layers)
 
@@ -74,36 +130,20 @@ def _zero3_partitioned(param: Any) -> bool:
     return hasattr(param, "ds_id") and not getattr(param, "ds_persist", False)
 
 
-def _carry_state_in_checkpoints(plugin: DistNormPlugin, engine: Any) -> None:
-    """Carry the plugin state in DeepSpeed's ``client_state`` and re-synchronize the
-    buffers after every load (ZeRO-3 checkpoints keep one copy per rank)."""
-    if getattr(engine, "_distnorm_wrapped", False):
-        return
-    save, load = engine.save_checkpoint, engine.load_checkpoint
-
-    def save_checkpoint(save_dir, tag=None, client_state=None, *args, **kwargs):
-        client_state = dict(client_state or {})
-        client_state["distnorm"] = plugin.state_dict()
-        return save(save_dir, tag, client_state, *args, **kwargs)
-
-    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-        path, client_state = load(load_dir, tag, *args, **kwargs)
-        if client_state and "distnorm" in client_state:
-            plugin.load_state_dict(client_state.pop("distnorm"))
-        if path is not None:
-            plugin.resync_now()  # every rank loads together: synchronize right here
-        return path, client_state
-
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
-    engine._distnorm_wrapped = True
+def _engine_types() -> tuple[type, ...]:
+    """``DeepSpeedEngine`` (``PipelineEngine`` is one), once the script has imported DeepSpeed:
+    no engine exists before, and importing this module stays free of DeepSpeed."""
+    engine = getattr(sys.modules.get("deepspeed"), "DeepSpeedEngine", None)
+    return (engine,) if engine is not None else ()
 
 
-try:
-    from deepspeed import DeepSpeedEngine
-except ImportError:  # prepare() says what to install
-    pass
-else:
-    register_engine(DeepSpeedEngine, _follow_engine)
-    register_partitioned(_zero3_partitioned)
-    register_wrapper(DeepSpeedEngine, "DeepSpeed")  # PipelineEngine is a DeepSpeedEngine
+#: Everything distnorm knows about DeepSpeed, registered once.
+ENGINE = register_engine(Engine(
+    name="DeepSpeed",
+    library="deepspeed",
+    wrappers=_engine_types,
+    follow=_follow_engine,
+    partitioned=_zero3_partitioned,
+    checkpoint=client_state,
+    restore=restore,
+))

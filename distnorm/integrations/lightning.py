@@ -37,9 +37,11 @@ and as exclusive: Lightning refuses both together), and a
   ``on_fit_start`` turns the DDP wrapper's per-forward buffer broadcast off
   (``DistributedDataParallel.broadcast_buffers = False``), unless BatchNorms with per-rank
   running statistics remain (BNP alone on a BN model: a warning says why it stays on);
-* **checkpoints** — the plugin state travels in the checkpoint's ``callbacks`` entry
-  (``state_dict`` / ``load_state_dict``); the buffers travel with the module's own state
-  dict and are broadcast and verified at the first training forward after a load.
+* **checkpoints** — through Lightning's own hook for a callback's state: the plugin state
+  travels in the checkpoint's ``callbacks`` entry (the callback's ``state_dict`` /
+  ``load_state_dict``, which Lightning calls); the buffers (AMAT's and BNP's statistics)
+  travel with the module's own state dict and are broadcast and verified at the first
+  training forward after a load.
 
 :meth:`revert`, which Lightning calls when ``fit`` ends, keeps the converted layers: they
 *are* the trained model (:func:`distnorm.revert` would put the untrained BatchNorms back);
@@ -57,6 +59,7 @@ from typing import Any, Iterable
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distnorm._engines import Engine, register_engine
 from distnorm.config import DistNormConfig, add_arguments
 from distnorm.plugin import DistNormPlugin, buffer_broadcast_needed
 
@@ -66,7 +69,7 @@ try:
 except ImportError as err:  # the extra is missing: say which one
     raise ImportError("distnorm's Lightning integration needs `pip install distnorm[lightning]`") from err
 
-__all__ = ["DistNormSync", "add_arguments"]
+__all__ = ["DistNormSync", "add_arguments", "ENGINE"]
 
 logger = logging.getLogger(__name__)
 
@@ -200,3 +203,10 @@ class DistNormSync(LayerSync, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.plugin is not None and "plugin" in state_dict:
             self.plugin.load_state_dict(state_dict["plugin"])
+
+
+#: Everything distnorm knows about Lightning, registered once. Its strategies wrap the module
+#: in torch's DDP / FSDP (registered by torch's own entry); it reaches distnorm through
+#: :class:`DistNormSync`, whose callback state Lightning saves and restores itself (no hook to
+#: install: ``checkpoint`` / ``restore`` stay empty).
+ENGINE = register_engine(Engine(name="Lightning", library="lightning"))

@@ -219,14 +219,20 @@ class DeepSpeedEngine(Engine):
 
     def save(self, directory: Path, state: dict[str, Any]) -> None:
         # The checkpoint manager keeps its own `latest` pointer (to complete checkpoints only).
-        self.engine.save_checkpoint(str(directory.parent), tag=directory.name, client_state={"trainer": state},
+        import distnorm.integrations.deepspeed as dn
+
+        # DeepSpeed's own hook for a script's state: the trainer's entry and the plugin's.
+        self.engine.save_checkpoint(str(directory.parent), tag=directory.name,
+                                    client_state=dn.client_state(self.plugin, {"trainer": state}),
                                     save_latest=False)
 
     def load(self, directory: Path) -> dict[str, Any]:
+        import distnorm.integrations.deepspeed as dn
+
         path, client_state = self.engine.load_checkpoint(str(directory.parent), tag=directory.name)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint {directory}")
-        return client_state["trainer"]
+        return dn.restore(self.plugin, client_state)["trainer"]
 
 
 def state_digest(*states: Any) -> str:

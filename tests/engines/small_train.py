@@ -71,6 +71,8 @@ def run_one(argv: list[str]) -> int:
     p.add_argument("--save-at", type=int, default=None)
     p.add_argument("--ckpt", default=None)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--expect-refused-resume", action="store_true",
+                   help="the resume must raise ValueError (a checkpoint of another configuration): record it")
     p.add_argument("--perturb-step", type=int, default=None)
     p.add_argument("--out", required=True)
     p.add_argument("--no-plugin", action="store_true", help="the script without distnorm's lines (reference)")
@@ -85,6 +87,10 @@ def run_one(argv: list[str]) -> int:
         code = 0
     except distnorm.InconsistentStateError as err:
         result, code = {"error": str(err)}, 3
+    except ValueError as err:  # a checkpoint of another configuration, refused on resume
+        if not args.expect_refused_resume:
+            raise
+        result, code = {"error": str(err)}, 0
     rank = int(os.environ.get("RANK", 0))
     torch.save(result, f"{args.out}.rank{rank}.pt")
     return code
@@ -168,6 +174,7 @@ def run_accelerate(args, cfg) -> dict:
     out["optimizer"] = optimizer.state_dict()
     out["next_lr"] = optimizer.param_groups[0]["lr"]
     out["world"] = accelerator.num_processes
+    out["plugin_state"] = None if plugin is None else plugin.state_dict()
     return out
 
 
@@ -199,7 +206,9 @@ def run_deepspeed(args, cfg) -> dict:
     if plugin is not None:
         plugin.follow(engine)                                          # distnorm
     if args.resume:
-        engine.load_checkpoint(args.ckpt, tag="ckpt")
+        _, client_state = engine.load_checkpoint(args.ckpt, tag="ckpt")
+        if plugin is not None:
+            dn_deepspeed.restore(plugin, client_state)                 # distnorm
     loss_fn = nn.CrossEntropyLoss()
 
     def forward_backward(x, y):
@@ -209,7 +218,8 @@ def run_deepspeed(args, cfg) -> dict:
 
     out = _train(args, engine.module, forward_backward, lambda: engine.get_lr()[0], engine.step, world, rank)
     if args.save_at is not None and not args.resume:
-        engine.save_checkpoint(args.ckpt, tag="ckpt")
+        state = {} if plugin is None else dn_deepspeed.client_state(plugin)  # distnorm
+        engine.save_checkpoint(args.ckpt, tag="ckpt", client_state=state)
     if args.zero == 3:
         with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
             out.update(_record(engine.module))
@@ -217,6 +227,7 @@ def run_deepspeed(args, cfg) -> dict:
         out.update(_record(engine.module))
     out["next_lr"] = engine.get_lr()[0]
     out["world"] = world
+    out["plugin_state"] = None if plugin is None else plugin.state_dict()
     return out
 
 
