@@ -489,8 +489,8 @@ MUTANTS: list[Mutant] = [
         "sync-group-not-given-to-layers",
         "sync_group_size=k synchronizes within groups of k consecutive ranks (the layers)",
         "distnorm/plugin.py",
-        "                process_group=self.group)\n",
-        "                process_group=None)\n",
+        "activation=cfg.activation, process_group=self.group)\n",
+        "activation=cfg.activation, process_group=None)\n",
         (f"{DB}::test_sync_group_size_keeps_the_statistics_inside_the_group",),
     ),
     Mutant(
@@ -940,6 +940,40 @@ MUTANTS: list[Mutant] = [
         "NPROC=2 launch/torchrun.sh configs/imagenet/resnet50_cbn.yaml model.num_classes=3 \\\n",
         "NPROC=2 launch/torchrun.sh configs/imagenet/resnet50_cbn.yaml model.num_classes=4 \\\n",
         ("tests/test_docs.py::test_imagenet_trial_runs_as_written",),
+    ),
+    # ----------------------------------------------- issue 39: one owner per default, one spelling
+    Mutant(
+        "data-default-second-owner",
+        "every data default has one owner (ImageSpec / LoaderSpec / the recipe's DataConfig)",
+        "distnorm/data/transforms.py",
+        "                 reduced_decode: bool = ImageSpec.reduced_decode, decoder: str = ImageSpec.decoder,\n",
+        '                 reduced_decode: bool = ImageSpec.reduced_decode, decoder: str = "pil",\n',
+        ("tests/test_defaults.py::test_every_data_default_has_one_owner",),
+    ),
+    Mutant(
+        "loader-keyword-of-its-own",
+        "the loaders take every setting from LoaderSpec, an unknown keyword refused by name",
+        "distnorm/data/loaders.py",
+        "                 world_size: int = 1, **options: Any):\n        super().__init__(LoaderSpec.of(\"EvalLoader\"",
+        "                 world_size: int = 1, num_workers: int = 2, **options: Any):\n"
+        "        super().__init__(LoaderSpec.of(\"EvalLoader\"",
+        ("tests/test_defaults.py::test_every_data_default_has_one_owner",),
+    ),
+    Mutant(
+        "recipe-restates-a-default",
+        "a recipe states only what differs from what it extends",
+        "configs/base/imagenet.yaml",
+        "  checkpoint_every_steps: 1000\n",
+        "  keep_last: 3\n",
+        ("tests/test_defaults.py::test_a_recipe_states_only_what_differs_from_what_it_extends[base/imagenet]",),
+    ),
+    Mutant(
+        "config-keeps-off-spelling",
+        "one spelling per norm label: keep the BatchNorm is \"keep\" in convert, the configuration and the zoo",
+        "distnorm/config.py",
+        '"they are; none: remove them)", one_of(*NORM_LABELS), choices=NORM_LABELS)\n',
+        '"they are; none: remove them)", one_of(*NORM_LABELS, "off"), choices=NORM_LABELS)\n',
+        ("tests/test_defaults.py::test_every_norm_label_has_one_spelling_everywhere",),
     ),
 ]
 

@@ -126,18 +126,18 @@ def test_the_pages_show_shell_commands():
 
 # --- the repository layout with stand-in data ------------------------------------------------
 
-def _configs() -> list[dict]:
-    return [yaml.safe_load(p.read_text()) or {} for p in sorted((ROOT / "configs").rglob("*.yaml"))]
-
-
 def data_locations() -> dict[str, tuple[str, str, int]]:
-    """shards pattern -> (the split's index path, num_classes) for every config that names one."""
+    """shards pattern -> (the split's index path, num_classes) for every config that names one
+    (as loaded: a recipe states only what differs from its base and the defaults)."""
+    from distnorm.train.config import load_config
+
     found = {}
-    for cfg in _configs():
-        data, classes = cfg.get("data") or {}, (cfg.get("model") or {}).get("num_classes")
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        cfg = load_config(path)
+        data = cfg.data
         for split in ("train", "val"):
-            if data.get(f"{split}_shards"):
-                found[data[f"{split}_shards"]] = (data[f"{split}_index"], classes)
+            if getattr(data, f"{split}_shards"):
+                found[getattr(data, f"{split}_shards")] = (getattr(data, f"{split}_index"), cfg.model.num_classes)
     return found
 
 

@@ -191,6 +191,12 @@ class _ClassOrderWatch:
         self.shuffle_buffer = shuffle_buffer
         self.url, self.labels, self.count, self.warned = None, set(), 0, False
 
+    def passing(self, src: Iterator[dict]) -> Iterator[dict]:
+        """The samples of ``src``, each seen on its way (a pipeline stage)."""
+        for sample in src:
+            self.see(sample.get("__url__"), sample.get("cls"))
+            yield sample
+
     def see(self, url: str, label: Any) -> None:
         if url != self.url:
             self._check()
@@ -325,13 +331,22 @@ def _shuffle_on_demand(src: Iterator, *, bufsize: int, initial: int, seed: int, 
         yield buffer.pop()
 
 
+def _every(src: Iterator[Any], step: int, offset: int) -> Iterator[Any]:
+    """Items ``offset``, ``offset + step``, ... of ``src``: an explicit split by rank or worker."""
+    for i, item in enumerate(src):
+        if i % step == offset:
+            yield item
+
+
 class _TrainStream(IterableDataset):
-    def __init__(self, urls: list[str], *, batch_size: int, num_batches: int, rank: int, world_size: int,
-                 seed: int, epoch: int, shuffle_buffer: int, transform: Callable, on_error: str, skip: int = 0,
-                 returns: BatchReturns | None = None):
-        self.urls, self.batch_size, self.num_batches, self.returns = urls, batch_size, num_batches, returns
-        self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
-        self.shuffle_buffer, self.transform, self.on_error, self.skip = shuffle_buffer, transform, on_error, skip
+    """One epoch of a :class:`TrainLoader`'s batches, made inside each DataLoader worker (a
+    copy of the loader's plain values: what a ``spawn`` worker receives pickled)."""
+
+    def __init__(self, loader: "TrainLoader", returns: BatchReturns | None):
+        self.urls, self.batch_size, self.num_batches, self.returns = loader.urls, loader.batch_size, len(loader), returns
+        self.rank, self.world_size, self.seed, self.epoch = loader.rank, loader.world_size, loader.seed, loader.epoch
+        self.shuffle_buffer, self.transform, self.on_error = loader.shuffle_buffer, loader.transform, loader.on_error
+        self.skip = loader.skip_batches
 
     def __iter__(self) -> Iterator[tuple]:
         wds = _wds()
@@ -347,19 +362,7 @@ class _TrainStream(IterableDataset):
         role_seed = _seed(self.seed, self.epoch, self.rank, role)
         log = _ErrorLog(self.on_error)
         watch = _ClassOrderWatch(self.shuffle_buffer)
-        rank, world = self.rank, self.world_size
         demand = _Demand(needed=(skipped + remaining) * self.batch_size)
-
-        def split_by_rank(src):  # the explicit node splitter: rank r takes r, r+W, r+2W, ...
-            for i, item in enumerate(src):
-                if i % world == rank:
-                    yield item
-
-        def split_by_worker(src):
-            for i, item in enumerate(src):
-                if i % workers == role:
-                    yield item
-
         def decode(src):
             # Augmentations draw from torch's RNG, seeded per sample: the stream is the same
             # whether or not earlier samples were skipped (resume) or transformed.
@@ -381,19 +384,14 @@ class _TrainStream(IterableDataset):
                 else:
                     demand.delivered += 1  # delivered in the interrupted run
 
-        def watch_class_order(src):  # in shard order, before the shuffle buffer
-            for sample in src:
-                watch.see(sample.get("__url__"), sample.get("cls"))
-                yield sample
-
         pipeline = wds.DataPipeline(
             # One infinite, seeded stream of shards, identical on every rank and worker
             # (worker_seed=0), then split: deterministic, disjoint per (rank, worker).
             wds.ResampledShards(self.urls, seed=stream_seed, deterministic=True, worker_seed=lambda: 0),
-            split_by_rank,
-            split_by_worker,
+            functools.partial(_every, step=self.world_size, offset=self.rank),  # rank r: r, r+W, r+2W, ...
+            functools.partial(_every, step=workers, offset=role),
             tarfile_to_samples(log.tar_handler),
-            watch_class_order,
+            watch.passing,  # in shard order, before the shuffle buffer
             functools.partial(_shuffle_on_demand, bufsize=self.shuffle_buffer, initial=min(self.shuffle_buffer, 1000),
                               seed=role_seed, demand=demand),
             skip_raw,
@@ -521,12 +519,7 @@ class TrainLoader(_LoaderBase):
     def __iter__(self) -> Iterator[tuple]:
         self.skipped, self.skip_messages, self.fresh_batch_buffers = 0, [], 0
         returns = self._returns()
-        stream = _TrainStream(
-            self.urls, batch_size=self.batch_size, num_batches=len(self), rank=self.rank,
-            world_size=self.world_size, seed=self.seed, epoch=self.epoch,
-            shuffle_buffer=self.shuffle_buffer, transform=self.transform, on_error=self.on_error,
-            skip=self.skip_batches, returns=returns,
-        )
+        stream = _TrainStream(self, returns)
         produced = self.skip_batches
         for images, labels, _mask, keys, lease, skipped, messages in self._dataloader(stream):
             self._account(skipped, messages)
@@ -540,12 +533,14 @@ class TrainLoader(_LoaderBase):
 
 
 class _EvalStream(IterableDataset):
-    def __init__(self, worker_urls: list[list[str]], planned: list[int], extra: int, *, batch_size: int,
-                 transform: Callable, on_error: str, image_size: int, counts: dict[str, int],
-                 returns: BatchReturns | None = None):
-        self.worker_urls, self.planned, self.extra, self.counts = worker_urls, planned, extra, counts
-        self.returns = returns
-        self.batch_size, self.transform, self.on_error, self.image_size = batch_size, transform, on_error, image_size
+    """An :class:`EvalLoader`'s batches, made inside each DataLoader worker from the loader's
+    plan (a copy of its plain values)."""
+
+    def __init__(self, loader: "EvalLoader", returns: BatchReturns | None):
+        self.worker_urls, self.planned, self.extra = loader._worker_urls, loader._planned, loader._extra
+        self.counts, self.returns = loader._counts, returns
+        self.batch_size, self.transform, self.on_error = loader.batch_size, loader.transform, loader.on_error
+        self.image_size = loader.image_size
 
     def _placeholder_row(self) -> tuple:
         return torch.zeros(3, self.image_size, self.image_size), 0, False, ""
@@ -645,9 +640,7 @@ class EvalLoader(_LoaderBase):
     def __iter__(self) -> Iterator[tuple]:
         self.skipped, self.skip_messages, self.fresh_batch_buffers = 0, [], 0
         returns = self._returns()
-        stream = _EvalStream(self._worker_urls, self._planned, self._extra, counts=self._counts, batch_size=self.batch_size,
-                             transform=self.transform, on_error=self.on_error, image_size=self.image_size,
-                             returns=returns)
+        stream = _EvalStream(self, returns)
         produced = 0
         for images, labels, mask, keys, lease, skipped, messages in self._dataloader(stream):
             self._account(skipped, messages)
