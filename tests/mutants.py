@@ -975,6 +975,39 @@ MUTANTS: list[Mutant] = [
         '"they are; none: remove them)", one_of(*NORM_LABELS, "off"), choices=NORM_LABELS)\n',
         ("tests/test_defaults.py::test_every_norm_label_has_one_spelling_everywhere",),
     ),
+    # ------------------------------------------- issue 39 (3): converted models pickle whole
+    Mutant(
+        "norm-act-class-made-at-run-time",
+        "converted models save whole: torch.save / pickle / deepcopy, every norm, BNP off and on",
+        "distnorm/convert.py",
+        "    fused = NORM_ACT_CLASSES.get(type(norm))\n",
+        "    fused = type(f\"{type(norm).__name__}Act\", (_NormAct, type(norm)), {\"__module__\": __name__})\n",
+        ("tests/test_convert.py::test_converted_models_save_pickle_and_deepcopy_whole[timm:efficientnet_b0]",),
+    ),
+    Mutant(
+        "preconditioned-class-pickled-by-name",
+        "converted models save whole: torch.save / pickle / deepcopy, every norm, BNP off and on",
+        "distnorm/bnp.py",
+        "            \"__reduce_ex__\": _reduce_preconditioned, \"__setstate__\": _setstate_preconditioned,\n",
+        "            \"__setstate__\": _setstate_preconditioned,\n",
+        ("tests/test_convert.py::test_converted_models_save_pickle_and_deepcopy_whole[zoo:resnet20]",),
+    ),
+    Mutant(
+        "bnp-state-pickles-its-stash",
+        "converted models save whole: torch.save / pickle / deepcopy, every norm, BNP off and on",
+        "distnorm/_bnp_functions.py",
+        "        state.update(dict.fromkeys(self.RUNTIME_FIELDS), stash=None, key=-1)\n",
+        "        state.update(dict.fromkeys(self.RUNTIME_FIELDS), key=-1)\n",
+        ("tests/test_convert.py::test_converted_models_save_pickle_and_deepcopy_whole[zoo:resnet20]",),
+    ),
+    Mutant(
+        "loaded-bnp-state-unregistered",
+        "converted models save whole: torch.save / pickle / deepcopy, every norm, BNP off and on",
+        "distnorm/bnp.py",
+        "    if bnp_state is not None:\n        _functions.register(bnp_state)\n",
+        "    if bnp_state is None:\n        _functions.register(bnp_state)\n",
+        ("tests/test_convert.py::test_converted_models_save_pickle_and_deepcopy_whole[zoo:resnet20]",),
+    ),
 ]
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distnorm
-from distnorm import models
+from distnorm import _functions, models
 from distnorm.convert import ACTIVATION_MODULES, BATCH_NORMS, NORMS, PreNorm
 from tests.distributed import run_distributed
 
@@ -347,14 +347,17 @@ def _behaviour(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def _assert_own_state(model: nn.Module, twin: nn.Module, how: str) -> None:
-    """``twin`` has ``model``'s classes and state_dict keys, and BNP state of its own: not the
-    original's, registered under another key, with no stashed plan carried over."""
+    """``twin`` has ``model``'s classes and state_dict keys, and each layer's state (a norm
+    layer's, BNP's) of its own: not the original's, registered where the operators find it,
+    with no stashed plan carried over."""
     assert [type(m) for m in twin.modules()] == [type(m) for m in model.modules()], how
     assert list(twin.state_dict()) == list(model.state_dict()), how
     for (name, a), b in zip(model.named_modules(), twin.modules()):
-        state, twin_state = a.__dict__.get("_distnorm_bnp"), b.__dict__.get("_distnorm_bnp")
-        if state is not None:
-            assert twin_state is not state and twin_state.key != state.key, (how, name)
+        for attr in ("_state", "_distnorm_bnp"):
+            state, twin_state = a.__dict__.get(attr), b.__dict__.get(attr)
+            if state is None:
+                continue
+            assert twin_state is not state and _functions._state_of(twin_state.key) is twin_state, (how, name)
             assert not twin_state.stash._entries and twin_state.pending is None, (how, name)
 
 
