@@ -5,11 +5,15 @@ synchronize over (``None`` means "run locally") and for the packed reductions. K
 collectives in one place makes the per-step communication easy to audit:
 
 * forward of a synchronized layer: :func:`global_moments` — ONE all-reduce of a ``(3, C)``
-  float64 tensor (per-channel sum, sum of squares and sample count); at a group's first
+  float64 payload (per-channel sum, sum of squares and sample count); at a group's first
   CBN / BN step the count row also carries the ranks' vote on the fused operators' kernels
   (:mod:`distnorm._fused`), in the same values;
 * backward: :func:`all_reduce_sum` — ONE all-reduce of the ``(2, C)`` per-channel gradient
   sums;
+* each of these travels in a frame (:mod:`distnorm._frames`): one size for every distnorm
+  all-reduce of the process, with every rank's fingerprint of its layer and phase, so ranks
+  that run different layers raise :class:`~distnorm.errors.CollectiveMismatchError`
+  instead of mixing statistics, aborting or hanging;
 * BNP (``distnorm.bnp``) reuses :func:`global_moments` on each layer's input;
 * start-up and consistency checks: :func:`all_agree` (one fixed-size MAX all-reduce) and,
   only once something disagrees, :func:`gather_tensors` / :func:`gather_texts` to say who.
@@ -32,7 +36,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from distnorm import _debug
+from distnorm import _debug, _frames
 from distnorm.errors import (
     CollectiveFailedError,
     CollectiveMismatchError,
@@ -48,6 +52,7 @@ __all__ = [
     "all_reduce_sum",
     "broadcast_from_first",
     "check_collective_device",
+    "check_frames",
     "collective_device",
     "constant",
     "gather_tensors",
@@ -322,8 +327,16 @@ def _check_slot(group: ProcessGroup, slot: str, device: torch.device) -> None:
     )
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: str = "") -> torch.Tensor:
-    """Sum ``tensor`` in place over ``group`` (no-op for ``None``) and return it."""
+def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: str = "",
+                   shape: tuple[int, torch.dtype] = (0, torch.float64)) -> torch.Tensor:
+    """Sum ``tensor`` in place over ``group`` (no-op for ``None``) and return it.
+
+    The all-reduce is a checked frame (:mod:`distnorm._frames`): one size for every
+    distnorm collective of the process, with every rank's fingerprint of ``slot``
+    (``"layer|phase|..."``) and ``shape`` (the layer input's channels and dtype). Raises
+    :class:`~distnorm.errors.CollectiveMismatchError` on every rank when ranks paired
+    different slots (at once on the CPU; on a GPU a few collectives later, or at the
+    plugin's next check)."""
     if group is None:
         return tensor
     # Before any collective, the debug fingerprint included: a tensor off the NCCL group's device.
@@ -331,7 +344,9 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: st
     if _debug.is_debug():
         _check_slot(group, slot, tensor.device)
     try:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        _frames.reduce(tensor, group, slot, shape, dist.get_rank(group), group_size(group))
+    except CollectiveMismatchError:
+        raise  # every rank raises it: the frame it names completed everywhere
     except RuntimeError as err:  # DistBackendError included: a peer died or timed out
         layer, phase = _slot_names(slot)
         raise CollectiveFailedError(
@@ -339,6 +354,12 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: st
             "probably died, stalled past the process group's timeout, or raised an error of its own; see its log."
         ) from err
     return tensor
+
+
+def check_frames() -> None:
+    """Compare the fingerprints of every layer collective not compared yet (a GPU's, waiting
+    for them; :func:`distnorm._frames.check_pending`)."""
+    _frames.check_pending()
 
 
 def local_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,7 +441,7 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     if piggyback is not None:
         k = piggyback.numel()
         packed[2, :k] += piggyback
-    all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}")
+    all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype))
     if piggyback is not None:
         torch.sub(packed[2, :k], packed[2, k], out=piggyback)
         packed[2, :k] = packed[2, k]

@@ -109,7 +109,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from distnorm import _bnp_functions, _collectives, _fused
+from distnorm import _bnp_functions, _collectives, _frames, _fused
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._fused import grad_coef_of, neg_inverse_count, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
@@ -169,14 +169,11 @@ class NormState:
     key: int = field(default=-1, repr=False)  # registry key (a module's state; -1: a functional call's)
 
     @classmethod
-    def of_layer(cls, kind: str, name: str, **fields: Any) -> "NormState":
+    def of_layer(cls, kind: str, name: str, channels: int, **fields: Any) -> "NormState":
         """A module's state: kept across its calls, with its own stash, and registered."""
-        return cls(kind, name, stash=Stash(), **fields).registered()
-
-    def registered(self) -> "NormState":
-        """This state, registered (once): a module's, which the compiled operators find by key."""
-        register(self)
-        return self
+        state = cls(kind, name, stash=Stash(), **fields)
+        register(state, channels)
+        return state
 
     def group(self) -> ProcessGroup | None:
         return _collectives.sync_group(self.process_group) if self.sync else None
@@ -521,7 +518,8 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     # The statistics depend on every rank's samples, so the input gradient needs the global
     # sums. Parameter gradients do not: they stay local and the data-parallel engine
     # averages them, exactly as for torch.nn.SyncBatchNorm.
-    _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}")
+    _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}",
+                                shape=(channels, x.dtype))
     shift, slope = torch.ops.distnorm.shift_slope(grad_coef, sums, triton)  # D, B = grad_coef @ sums
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
@@ -552,15 +550,22 @@ _STATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionar
 _KEYS = itertools.count()
 
 
-def register(state: Any) -> int:
+def register(state: Any, channels: int = 0) -> int:
     """The key under which the operators find ``state`` (a module's :class:`NormState`, a
-    BNP layer's state), assigned once per object and held weakly."""
+    BNP layer's state), assigned once per object and held weakly. ``channels``: the layer's,
+    whose statistics every collective frame of the process must hold
+    (:func:`distnorm._frames.reserve`)."""
+    if channels:
+        _frames.reserve(channels)
     key = getattr(state, "key", -1)
     if key < 0 or _STATES.get(key) is not state:
         key = next(_KEYS)
         _STATES[key] = state
         state.key = key
     return key
+
+
+_frames.add_name_source(lambda: [state.name for state in list(_STATES.values())])
 
 
 def _state_of(key: int, config: str = "") -> Any:

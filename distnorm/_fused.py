@@ -14,7 +14,11 @@ others in :mod:`distnorm._functions`, whose kernel is the function of the same n
     The backward's local step: ``sums = [S1, T]`` for the all-reduce, and the local
     parameter gradients ``dgamma = T / rho``, ``dbeta = a (S1 - q d T)``.
 ``distnorm::shift_slope`` (:func:`shift_slope`)
-    The backward's global step: ``[D, B] = grad_coef @ sums``, per channel.
+    The backward's global step: from ``grad_coef = [[r_mu, q], [w, n]]`` and the global
+    ``sums = [S1, T]``, the per-channel arguments of the element-wise pass ``dx = a (g -
+    shift / n - (x - w) slope / n)``: ``shift = r_mu S1``, ``slope = q T``, ``w`` and ``n``
+    (an int32 ``(1,)`` tensor) — exactly the arguments of ATen's CUDA kernel
+    ``batch_norm_backward_elemt`` (and of its CPU twin, :mod:`distnorm._cpu_kernels`).
 
 Each operator has two implementations: the ATen composite below (the reference, and what
 runs on the CPU) and one Triton kernel (:mod:`distnorm._triton`, CUDA) for the supported
@@ -57,8 +61,8 @@ the tests do). The op counter of the tests (``tests/dispatch.py``) sees each ope
 op, which is what a GPU launches; ``tests/test_fused.py`` checks the kernels against the
 composite through the interpreter.
 
-The helpers below (:func:`blend`, :func:`update_running`, :func:`grad_coef_of`,
-:func:`neg_inverse_count`) are shared with batch normalization's statistics in
+The helpers below (:func:`blend`, :func:`update_running`, :func:`grad_coef_of`) are shared
+with batch normalization's statistics in
 :mod:`distnorm._functions`.
 """
 
@@ -80,7 +84,7 @@ from distnorm import _collectives
 from distnorm._collectives import ProcessGroup, constant
 
 __all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_param_grads_composite", "cbn_plan", "cbn_plan_composite",
-           "grad_coef_of", "interpreted_kernels", "load_interpreted", "neg_inverse_count", "shift_slope",
+           "grad_coef_of", "interpreted_kernels", "load_interpreted", "shift_slope",
            "shift_slope_composite", "to_dtype", "triton_decision", "triton_enabled", "triton_state", "triton_vote",
            "update_running"]
 
@@ -91,18 +95,13 @@ def to_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def grad_coef_of(u_neg: Tensor, q: Tensor, r_mu: Tensor, w: Tensor) -> Tensor:
-    """``[[kD1, kD2], [0, kB]] = -u * [[r_mu, -q w], [0, q]]`` as a ``(2, 2, C)`` tensor."""
-    zero = constant(0.0, q.shape[0], q.dtype, q.device)
-    qw_neg = torch.addcmul(zero, q, w, value=-1.0)
-    return torch.stack([r_mu, qw_neg, zero, q]).mul_(u_neg).view(2, 2, -1)
-
-
-def neg_inverse_count(a: Tensor, count: int | Tensor) -> Tensor:
-    """``-a / n`` with a host count (one op) or a device count."""
+def grad_coef_of(r_mu: Tensor, q: Tensor, w: Tensor, count: int | Tensor) -> Tensor:
+    """``[[r_mu, q], [w, n]]`` as a ``(2, 2, C)`` tensor: the backward's per-channel
+    coefficients (:func:`shift_slope_composite`), ``n`` the global count (a host count, at
+    least 1, or the device's per-channel count)."""
     if isinstance(count, int):
-        return a * (-1.0 / max(count, 1))
-    return torch.div(a, count).neg_()
+        count = constant(float(max(count, 1)), q.shape[0], q.dtype, q.device)
+    return torch.stack([r_mu, q, w, to_dtype(count, q.dtype)]).view(2, 2, -1)
 
 
 def blend(buffers: list[Tensor], new: list[Tensor], weight: float | Tensor, valid: bool | Tensor) -> None:
@@ -201,7 +200,7 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
     a = invstd * to_dtype(weight, acc)
     if rho != 1.0:
         a.mul_(1.0 / rho)
-    grad_coef = grad_coef_of(neg_inverse_count(a, n), q, r_mu, w)
+    grad_coef = grad_coef_of(r_mu, q, w, n)
     beta_coef = q * d
     _update_buffers(buffers, (mu_b, var_x, mu_u, var_u), n, momentum, valid, amat_ready)
     return center, var_u, invstd, a, grad_coef, beta_coef
@@ -565,13 +564,19 @@ def cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor
     return cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
 
 
-def shift_slope_composite(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor]:
-    """``(D, B) = grad_coef @ [S1, T]`` per channel (``grad_coef``: ``(2, 2, C)``)."""
-    shift, slope = (grad_coef * sums).sum(1).unbind()
-    return shift, slope.clone()  # outputs of an operator may not share storage
+def shift_slope_composite(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(shift, slope, w, count)``: ``shift = r_mu S1``, ``slope = q T`` from the global
+    ``sums = [S1, T]`` and ``grad_coef = [[r_mu, q], [w, n]]``, ``count = [n]`` as int32 —
+    the arguments ``sum_dy``, ``sum_dy_xmu``, ``mean`` and ``count`` of ATen's CUDA
+    ``batch_norm_backward_elemt`` with ``invstd = 1`` and ``weight = a``, whose
+    ``(g - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) weight invstd`` is then the
+    input gradient of the module plan (:mod:`distnorm._functions`)."""
+    shift, slope = (grad_coef[0] * sums).unbind()
+    # outputs of an operator may not share storage
+    return shift, slope.clone(), grad_coef[1, 0].clone(), grad_coef[1, 1, :1].to(torch.int32)
 
 
-def shift_slope(grad_coef: Tensor, sums: Tensor, triton: bool) -> tuple[Tensor, Tensor]:
+def shift_slope(grad_coef: Tensor, sums: Tensor, triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The kernel of ``distnorm::shift_slope`` (:func:`shift_slope_composite`)."""
     if triton and sums.dtype == torch.float32 and _on_one_device(sums, grad_coef):
         return _launch("shift_slope", sums.device,

@@ -46,7 +46,7 @@ def _cbn_plan_kernel(
     mean_ptr, var_ptr, count_ptr, weight_ptr, bias_ptr, eta_ptr,
     amat_mean_ptr, amat_var_ptr, amat_init_ptr, run_mean_ptr, run_var_ptr, nbt_ptr,
     center_ptr, var_u_ptr, invstd_ptr, a_ptr, coef_ptr, beta_coef_ptr,
-    C, neg_inv_count, bessel, eps, momentum, inv_rho, r_min, r_max,
+    C, host_count, bessel, eps, momentum, inv_rho, r_min, r_max,
     HISTORY: tl.constexpr, DEVICE_COUNT: tl.constexpr, CUMULATIVE: tl.constexpr, SCALE_A: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -107,19 +107,17 @@ def _cbn_plan_kernel(
         a = invstd * gamma
         if SCALE_A:
             a = a * inv_rho
-        if DEVICE_COUNT:
-            u_neg = -tl.div_rn(a, n)
-        else:
-            u_neg = a * neg_inv_count
+        if not DEVICE_COUNT:
+            n = host_count
         tl.store(center_ptr + offs, center, mask=m)
         tl.store(var_u_ptr + offs, var_u, mask=m)
         tl.store(invstd_ptr + offs, invstd, mask=m)
         tl.store(a_ptr + offs, a, mask=m)
-        # grad_coef (2, 2, C) = -u * [[r_mu, -q w], [0, q]]
-        tl.store(coef_ptr + offs, r_mu * u_neg, mask=m)
-        tl.store(coef_ptr + C + offs, -(q * w) * u_neg, mask=m)
-        tl.store(coef_ptr + 2 * C + offs, 0.0 * u_neg, mask=m)
-        tl.store(coef_ptr + 3 * C + offs, q * u_neg, mask=m)
+        # grad_coef (2, 2, C) = [[r_mu, q], [w, n]]
+        tl.store(coef_ptr + offs, r_mu + 0.0 * q, mask=m)  # r_mu may be the scalar 1.0: a block
+        tl.store(coef_ptr + C + offs, q, mask=m)
+        tl.store(coef_ptr + 2 * C + offs, w, mask=m)
+        tl.store(coef_ptr + 3 * C + offs, n + 0.0 * q, mask=m)
         tl.store(beta_coef_ptr + offs, q * d, mask=m)
         # AMAT buffers <- (mu_U, var_U); running statistics (unbiased, global count).
         tl.store(amat_mean_ptr + offs, tl.where(valid, mu_u, amat_mean), mask=m)
@@ -156,18 +154,19 @@ def _cbn_param_grads_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, sums_ptr, grad_
 
 
 @triton.jit
-def _shift_slope_kernel(coef_ptr, sums_ptr, shift_ptr, slope_ptr, C, BLOCK_C: tl.constexpr):
+def _shift_slope_kernel(coef_ptr, sums_ptr, shift_ptr, slope_ptr, mean_ptr, count_ptr, C, BLOCK_C: tl.constexpr):
     for start in range(0, C, BLOCK_C):
         offs = start + tl.arange(0, BLOCK_C)
         m = offs < C
         s1 = tl.load(sums_ptr + offs, mask=m, other=0.0)
         t = tl.load(sums_ptr + C + offs, mask=m, other=0.0)
-        k00 = tl.load(coef_ptr + offs, mask=m, other=0.0)
-        k01 = tl.load(coef_ptr + C + offs, mask=m, other=0.0)
-        k10 = tl.load(coef_ptr + 2 * C + offs, mask=m, other=0.0)
-        k11 = tl.load(coef_ptr + 3 * C + offs, mask=m, other=0.0)
-        tl.store(shift_ptr + offs, k00 * s1 + k01 * t, mask=m)
-        tl.store(slope_ptr + offs, k10 * s1 + k11 * t, mask=m)
+        r_mu = tl.load(coef_ptr + offs, mask=m, other=0.0)
+        q = tl.load(coef_ptr + C + offs, mask=m, other=0.0)
+        w = tl.load(coef_ptr + 2 * C + offs, mask=m, other=0.0)
+        tl.store(shift_ptr + offs, r_mu * s1, mask=m)
+        tl.store(slope_ptr + offs, q * t, mask=m)
+        tl.store(mean_ptr + offs, w, mask=m)
+    tl.store(count_ptr, tl.load(coef_ptr + 3 * C).to(tl.int32))
 
 
 #: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
@@ -196,12 +195,12 @@ def cbn_plan(moments, host_count, params, buffers, hyper, momentum, kernels=KERN
     empty = lambda *shape: torch.empty(shape, dtype=mean.dtype, device=mean.device)  # noqa: E731
     center, var_u, invstd, a, beta_coef = (empty(channels) for _ in range(5))
     grad_coef = empty(2, 2, channels)
-    n = float(max(host_count, 1))
+    n = float(max(host_count, 1))  # a host count is valid here (> 1); the guard is the composite's
     with _on(mean.device):
         kernels["cbn_plan"][(1,)](
             mean, var, count if count is not None else mean, weight, bias, eta[0] if eta else mean, *buffers,
             center, var_u, invstd, a, grad_coef, beta_coef,
-            channels, -1.0 / n, host_count / max(host_count - 1, 1), eps,
+            channels, n, host_count / max(host_count - 1, 1), eps,
             0.0 if momentum is None else momentum, 1.0 / rho, 1.0 / r_max, r_max,
             HISTORY=bool(eta), DEVICE_COUNT=count is not None, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
             BLOCK_C=_block(channels),
@@ -221,9 +220,10 @@ def cbn_param_grads(s1, t, beta_coef, grad_scale, inv_rho, kernels=KERNELS):
 
 
 def shift_slope(grad_coef, sums, kernels=KERNELS):
-    """The CUDA kernel of ``distnorm::shift_slope``."""
+    """The CUDA kernel of ``distnorm::shift_slope``: ``(shift, slope, w, count)``."""
     channels = sums.shape[1]
-    shift, slope = torch.empty_like(sums[0]), torch.empty_like(sums[0])
+    shift, slope, mean = (torch.empty_like(sums[0]) for _ in range(3))
+    count = torch.empty(1, dtype=torch.int32, device=sums.device)
     with _on(sums.device):
-        kernels["shift_slope"][(1,)](grad_coef, sums, shift, slope, channels, BLOCK_C=_block(channels))
-    return shift, slope
+        kernels["shift_slope"][(1,)](grad_coef, sums, shift, slope, mean, count, channels, BLOCK_C=_block(channels))
+    return shift, slope, mean, count

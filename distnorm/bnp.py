@@ -461,7 +461,7 @@ def _precondition(name: str, module: nn.Module, config: BNPSpec, process_group: 
         dense=isinstance(module, nn.Linear), fan_in=math.prod(weight.shape[1:]),
         groups=getattr(module, "groups", 1),
     )
-    _functions.register(state)
+    _functions.register(state, channels=in_channels)
     state.hooks = [module.register_forward_pre_hook(_pre_forward),
                    module.register_forward_hook(_post_forward, always_call=True)]
     module._distnorm_bnp = state

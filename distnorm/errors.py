@@ -32,10 +32,12 @@ class InconsistentStateError(DistNormError):
 
 
 class CollectiveMismatchError(DistNormError):
-    """Ranks entered the same collective from different layers, shapes or dtypes.
+    """Ranks paired a collective from different layers, phases, shapes or dtypes.
 
-    Only detected in debug mode (``DISTNORM_DEBUG=1`` or ``distnorm.debug(True)``), which
-    adds one small fingerprint collective before each statistics collective.
+    Raised on every rank, naming each rank's layer, from the fingerprints every statistics
+    all-reduce carries (:mod:`distnorm._frames`): at the collective on the CPU; on a GPU a few
+    collectives later or at the next :func:`distnorm.check_consistency`. Debug mode
+    (``DISTNORM_DEBUG=1``) checks before the payload instead, with a collective of its own.
     """
 
 

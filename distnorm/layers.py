@@ -60,7 +60,8 @@ class _DistNormLayer(nn.Module):
     process_group = _state_field("process_group", "group to synchronize over (None: the default group)")
 
     def _init_state(self, kind: str, **fields: Any) -> None:
-        self._state = NormState.of_layer(kind, f"{type(self).__name__}({self.num_features})", **fields)
+        self._state = NormState.of_layer(kind, f"{type(self).__name__}({self.num_features})", self.num_features,
+                                         **fields)
 
     @property
     def _distnorm_name(self) -> str:

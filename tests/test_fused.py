@@ -259,3 +259,95 @@ def test_cuda_fused_operators_equal_composite(case):
                   _fused.cbn_param_grads_composite(s1, t, beta_coef, a, 0.5))
     coef, sums = torch.randn(2, 2, C, device="cuda"), torch.randn(2, C, device="cuda")
     _assert_close(torch.ops.distnorm.shift_slope(coef, sums, True), _fused.shift_slope_composite(coef, sums))
+
+
+# ------------------------------------------- the backward's element-wise pass (one kernel)
+def _cuda_formula(g, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> torch.Tensor:
+    """ATen's CUDA ``batch_norm_backward_elemt_kernel_impl`` (``Normalization.cuh``) written
+    with torch ops, in its order of operations and in its accumulation dtype: ``norm = 1 /
+    n``, ``m_dy = sum_dy * norm``, ``k1 = invstd * invstd * sum_dy_xmu * norm``, ``k2 =
+    weight * invstd``, ``dx = (g - m_dy - (x - mean) * k1) * k2``, rounded once."""
+    acc = mean.dtype
+    view = lambda v: v.view([1, -1] + [1] * (x.dim() - 2))  # noqa: E731
+    norm = torch.ones((), dtype=acc) / count.sum().to(acc)
+    m_dy, k1, k2 = sum_dy * norm, invstd * invstd * sum_dy_xmu * norm, weight * invstd
+    return ((g.to(acc) - view(m_dy) - (x.to(acc) - view(mean)) * view(k1)) * view(k2)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cpu_backward_elemt_is_the_cuda_kernel(dtype):
+    """``distnorm::batch_norm_backward_elemt`` (the CPU kernel, :mod:`distnorm._cpu_kernels`)
+    computes ATen's CUDA formula bit for bit, in every layout (a sliced input is made dense
+    first), with ``dx`` in the gradient's memory format. Bugs caught: a channel index off
+    for channels_last, a second rounding for bf16/fp16, FMA contraction (-ffp-contract)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    for layout in ("2d", "3d", "4d", "channels_last", "channels_last_3d", "sliced"):
+        shape = {"2d": (9, C), "3d": (3, C, 7), "4d": (2, C, 3, 5), "channels_last": (2, C, 3, 5),
+                 "channels_last_3d": (2, C, 2, 3, 2), "sliced": (2, C, 3, 10)}[layout]
+        x, g = (torch.randn(*shape, generator=gen) * 3 + 1 for _ in range(2))
+        if layout.startswith("channels_last"):
+            fmt = torch.channels_last if layout == "channels_last" else torch.channels_last_3d
+            x, g = x.to(memory_format=fmt), g.to(memory_format=fmt)
+        if layout == "sliced":
+            x, g = x[..., ::2], g[..., ::2].contiguous()
+        x, g = x.to(dtype), g.to(dtype)
+        vectors = [torch.randn(C, generator=gen, dtype=acc) for _ in range(5)]
+        count = torch.tensor([40, 13], dtype=torch.int32)
+        got = torch.ops.distnorm.batch_norm_backward_elemt(g, x, *vectors, count)
+        assert torch.equal(got, _cuda_formula(g, x, *vectors, count)), (layout, dtype)
+        assert got.stride() == g.stride(), layout
+
+
+def _layer_grads(kind: str, dtype: torch.dtype, channels_last: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    layer = {"cbn": lambda: distnorm.CBN(6, rho=1.5), "popnorm": lambda: distnorm.POPNorm(6),
+             "syncbn": lambda: distnorm.SyncBatchNorm(6)}[kind]()
+    layer = layer.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    distnorm.set_lr(layer, 0.01)
+    x = torch.randn(4, 6, 5, 5) * 2 + 3
+    x = (x.to(memory_format=torch.channels_last) if channels_last else x).to(dtype)
+    layer(x)  # AMAT's history from the second step on
+    x.requires_grad_()
+    probe = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))  # dx of O(1): no cancellation
+    (layer(x).float() * probe).sum().backward()
+    return [x.grad.double(), layer.weight.grad.double(), layer.bias.grad.double()]
+
+
+@pytest.mark.parametrize("kind", ["cbn", "popnorm"])
+def test_the_one_pass_gradient_equals_atens_two_passes(kind, monkeypatch):
+    """The mapping onto ATen's CUDA kernel (``mean = w``, ``invstd = 1``, ``weight = a``,
+    ``sum_dy = r_mu S1``, ``sum_dy_xmu = q T``, ``count = [n]``) gives the input gradient of
+    SPEC §1.1, as the two-pass form ``a g + B x + D`` (``DISTNORM_CPU_KERNEL=0``) does: both
+    checked against each other here, and the one pass against float64 references in
+    ``test_layers.py``. Bug caught: ``sum_dy_xmu`` without ``q`` (the ratio r_sig lost)."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        for channels_last in (False, True):
+            one_pass = _layer_grads(kind, dtype, channels_last)
+            monkeypatch.setenv("DISTNORM_CPU_KERNEL", "0")
+            two_passes = _layer_grads(kind, dtype, channels_last)
+            monkeypatch.delenv("DISTNORM_CPU_KERNEL")
+            for got, want in zip(one_pass, two_passes):
+                torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_a_cpu_kernel_that_cannot_be_built_is_an_error(monkeypatch, tmp_path):
+    """No C compiler, or one that fails: an error that names the fix, on every rank alike (the
+    same configuration), never a quiet fallback to ATen's two passes on some ranks."""
+    from distnorm import _cpu_kernels
+
+    monkeypatch.setenv("DISTNORM_CACHE_DIR", str(tmp_path))
+    try:
+        for compiler, message in (("no-such-compiler", "no C compiler"), ("false", "false failed")):
+            _cpu_kernels.library.cache_clear()
+            monkeypatch.setenv("CC", compiler)
+            with pytest.raises(RuntimeError, match=f"(?s){message}.*DISTNORM_CPU_KERNEL=0"):
+                _cpu_kernels.library()
+    finally:
+        _cpu_kernels.library.cache_clear()
+
+
+def test_the_elementwise_operator_is_well_formed_for_torch_compile():
+    g, x = torch.randn(3, C, 4), torch.randn(3, C, 4)
+    args = (g, x, *(torch.randn(C) for _ in range(5)), torch.tensor([12], dtype=torch.int32))
+    torch.library.opcheck(torch.ops.distnorm.batch_norm_backward_elemt.default, args)

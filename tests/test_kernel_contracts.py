@@ -18,6 +18,9 @@ from torch import nn
 import distnorm
 from distnorm import functional
 from tests.dispatch import CudaContractChecker
+
+#: The backward's element-wise kernel of the CPU, with the arguments CUDA's takes.
+ELEMT = "distnorm.batch_norm_backward_elemt.default"
 from tests.distributed import run_distributed
 
 LAYERS = {
@@ -74,6 +77,9 @@ def test_every_call_meets_the_cuda_kernel_contract(kind, dtype):
             checker = _exercise(LAYERS[kind](6), dtype, _layout(layout, 6), lr)
             assert checker.violations == [], (layout, lr, checker.violations)
             assert checker.calls["aten.native_batch_norm_backward.default"] == 1, layout  # the path was taken
+            # the one-pass element-wise backward (CUDA's kernel, here its CPU twin), checked
+            # against CUDA's contract; unsynchronized BN runs ATen's training backward instead
+            assert checker.calls[ELEMT] == (0 if kind.startswith("syncbn") else 1), layout
 
 
 @pytest.mark.parametrize("kind", list(LAYERS))
@@ -137,6 +143,16 @@ def test_the_checker_rejects_what_cuda_rejects():
         "differs from weight's": lambda: torch.ops.aten.native_batch_norm_backward(
             g.bfloat16(), x.bfloat16(), c, c.bfloat16(), c.bfloat16(), c, c, False, 1e-5, [True, True, True]),
         "both be given": lambda: torch.ops.aten.native_batch_norm(x, c, c, c, None, True, 0.1, 1e-5),
+        # batch_norm_backward_elemt: a float count (CUDA reads count.data_ptr<int>()), an
+        # empty input, a float64 statistic for float32 input, and the CUDA kernel on the CPU
+        "count must be a 1-D int32": lambda: torch.ops.distnorm.batch_norm_backward_elemt(
+            g, x, c, c, c, c, c, torch.tensor([16.0])),
+        "empty input of shape (0, 3, 2, 2)": lambda: torch.ops.distnorm.batch_norm_backward_elemt(
+            g[:0], x[:0], c, c, c, c, c, torch.tensor([16], dtype=torch.int32)),
+        "sum_dy has dtype torch.float64": lambda: torch.ops.distnorm.batch_norm_backward_elemt(
+            g, x, c, c, c, c.double(), c, torch.tensor([16], dtype=torch.int32)),
+        "CUDA-only kernel": lambda: torch.ops.aten.batch_norm_backward_elemt(
+            g, x, c, c, c, c, c, torch.tensor([16], dtype=torch.int32)),
     }
     for reason, call in calls.items():
         with CudaContractChecker() as checker:

@@ -203,8 +203,11 @@ def test_sub_group_process_group(tmp_path):
 
 
 # --------------------------------------------------------------------- collective count
-FORWARD = [("allreduce_", ((3, 5),))]  # per channel: sum, sum of squares, count (float64)
-BACKWARD = [("allreduce_", ((2, 5),))]  # per channel: sum(g), sum(g * xhat)
+# One frame each (distnorm._frames): float64, the widest payload the process reserved (the
+# forward's 3 x 5: per channel sum, sum of squares, count; the backward's 2 x 5 sum(g),
+# sum(g * xhat) travel in a frame of the same size), then 2 fingerprint entries per rank.
+FORWARD = [("allreduce_", ((3 * 5 + 2 * 2,),))]
+BACKWARD = FORWARD
 
 
 def _phases(layer: nn.Module, counter: CollectiveCounter, conv: nn.Module | None = None) -> dict:

@@ -1,0 +1,209 @@
+"""The CPU kernel of the backward's element-wise pass: ATen's CUDA ``batch_norm_backward_elemt``
+for the CPU, which ATen does not have.
+
+A synchronized layer's input gradient is, per channel ``c`` (module plan of
+:mod:`distnorm._functions`)::
+
+    dx = (g - sum_dy / n - (x - mean) * invstd^2 * sum_dy_xmu / n) * weight * invstd
+
+— the formula of ATen's CUDA kernel (``batch_norm_backward_elemt_kernel_impl`` in
+``aten/src/ATen/native/cuda/Normalization.cuh``), with ``n`` the sum of the int32 ``count``
+tensor. On CUDA the layers call that kernel; on the CPU ATen has it only as two passes
+(an affine map of ``x``, then ``addcmul_`` of ``g``: 5 activation passes instead of 3), so
+this module builds the same kernel in C, once per machine, and declares it as the operator
+``distnorm::batch_norm_backward_elemt`` with ATen's schema (:mod:`distnorm._functions`).
+
+The C source computes in the order of the CUDA kernel (``norm = 1 / n``; ``m_dy = sum_dy *
+norm``; ``k1 = invstd * invstd * sum_dy_xmu * norm``; ``k2 = weight * invstd``; then ``(g -
+m_dy - (x - mean) * k1) * k2``) in float32 for float32 / bfloat16 / float16 input (rounded
+once to the input's dtype, round-to-nearest-even) and in float64 for float64, and is
+compiled with ``-ffp-contract=off``: no fused multiply-add, so every machine and every rank
+computes the same bits whatever its vector width.
+
+Build: ``$CC`` (default ``cc``) with ``-O3 -fopenmp``, into ``$DISTNORM_CACHE_DIR`` (default
+``~/.cache/distnorm``), named by a hash of the source, the flags and the compiler: about one
+second, once; a process then loads it with :mod:`ctypes` (about a millisecond). OpenMP's
+runtime is the one torch already loaded (``libgomp.so.1``), with ``torch.get_num_threads()``
+threads.
+
+``DISTNORM_CPU_KERNEL`` (read at the first backward): ``1`` (default) this kernel; ``0`` ATen's
+two passes (the same maths, rounded twice: use it on every rank or none). A machine without a
+C compiler, or whose build fails, raises — on every rank that reaches a backward — rather
+than falling back to different arithmetic on some ranks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["SOURCE", "batch_norm_backward_elemt", "cpu_kernel_enabled", "library"]
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t bf16_store(float f) {  /* c10::BFloat16's round-to-nearest-even */
+    uint32_t u; memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    u += 0x7FFF + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* dx = (g - m_dy - (x - mean) * k1) * k2 per channel; element i of a dense tensor whose
+   channel stride is `inner` (1: channels last) belongs to channel (i / inner) % C. */
+#define ELEMT(NAME, T, ACC, LOAD, STORE)                                                              \
+void NAME(const T* g, const T* x, T* out, const ACC* mean, const ACC* invstd, const ACC* weight,     \
+          const ACC* sum_dy, const ACC* sum_dy_xmu, int64_t total, int64_t C, int64_t inner,         \
+          int64_t numel, int threads, ACC* coef) {                                                   \
+    ACC norm = (ACC)1 / (ACC)total;                                                                  \
+    ACC* m_dy = coef; ACC* k1 = coef + C; ACC* k2 = coef + 2 * C;                                    \
+    for (int64_t c = 0; c < C; ++c) {                                                                \
+        m_dy[c] = sum_dy[c] * norm;                                                                  \
+        k1[c] = invstd[c] * invstd[c] * sum_dy_xmu[c] * norm;                                        \
+        k2[c] = weight[c] * invstd[c];                                                               \
+    }                                                                                                \
+    if (inner == 1) {                                                                                \
+        int64_t rows = numel / C;                                                                    \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
+        for (int64_t r = 0; r < rows; ++r) {                                                         \
+            const T* gr = g + r * C; const T* xr = x + r * C; T* o = out + r * C;                   \
+            for (int64_t c = 0; c < C; ++c)                                                          \
+                o[c] = STORE((LOAD(gr[c]) - m_dy[c] - (LOAD(xr[c]) - mean[c]) * k1[c]) * k2[c]);     \
+        }                                                                                            \
+    } else {                                                                                         \
+        int64_t rows = numel / inner;                                                                \
+        _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
+        for (int64_t r = 0; r < rows; ++r) {                                                         \
+            int64_t c = r % C;                                                                       \
+            const ACC md = m_dy[c], a1 = k1[c], a2 = k2[c], mu = mean[c];                            \
+            const T* gr = g + r * inner; const T* xr = x + r * inner; T* o = out + r * inner;       \
+            for (int64_t i = 0; i < inner; ++i)                                                      \
+                o[i] = STORE((LOAD(gr[i]) - md - (LOAD(xr[i]) - mu) * a1) * a2);                    \
+        }                                                                                            \
+    }                                                                                                \
+}
+
+#define SAME(v) (v)
+#define TO_F16(v) ((_Float16)(v))
+#define FROM_F16(v) ((float)(v))
+ELEMT(elemt_f32, float, float, SAME, SAME)
+ELEMT(elemt_f64, double, double, SAME, SAME)
+ELEMT(elemt_bf16, uint16_t, float, bf16_load, bf16_store)
+ELEMT(elemt_f16, _Float16, float, FROM_F16, TO_F16)
+"""
+
+_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+_FUNCTIONS = {torch.float32: "elemt_f32", torch.float64: "elemt_f64", torch.bfloat16: "elemt_bf16",
+              torch.float16: "elemt_f16"}
+
+
+def cpu_kernel_enabled() -> bool:
+    """``DISTNORM_CPU_KERNEL`` is not ``0``: the backward's element-wise pass runs this kernel."""
+    return os.environ.get("DISTNORM_CPU_KERNEL", "1").strip() != "0"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("DISTNORM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "distnorm")
+    return Path(root)
+
+
+def _failure(why: str) -> RuntimeError:
+    return RuntimeError(
+        f"distnorm: the CPU kernel of the backward's element-wise pass cannot be built: {why}. Install a C "
+        "compiler (gcc or clang; set CC to choose one), or set DISTNORM_CPU_KERNEL=0 on every rank to run ATen's "
+        "two passes instead (the same maths, rounded twice).")
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile :data:`SOURCE` into ``target`` (atomically: concurrent processes may race)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src, lib = Path(tmp) / "elemt.c", Path(tmp) / target.name
+        src.write_text(SOURCE)
+        done = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise _failure(f"{compiler} failed (exit status {done.returncode})" + (
+                f":\n{done.stderr.strip()[-2000:]}\n" if done.stderr.strip() else ""))
+        os.replace(lib, target)
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled kernel, built at the first call of this machine and loaded once per process."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise _failure(f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH)")
+    key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, compiler, sys.platform]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"elemt-{key}.so"
+    if not target.exists():
+        try:
+            _build(compiler, target)
+        except OSError:  # an unwritable cache: this process's own temporary directory
+            target = Path(tempfile.gettempdir()) / f"distnorm-{os.getuid()}" / target.name
+            if not target.exists():
+                _build(compiler, target)
+    lib = ctypes.CDLL(str(target))
+    for name in _FUNCTIONS.values():
+        getattr(lib, name).restype = None
+    return lib
+
+
+def _dense_inner(x: Tensor) -> int | None:
+    """The channel stride of ``x`` when it is dense with channels either innermost (1) or
+    outermost after the batch (``prod(shape[2:])``), else None."""
+    if x.is_contiguous():
+        return math.prod(x.shape[2:])
+    if (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
+            x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)):
+        return 1
+    return None
+
+
+def batch_norm_backward_elemt(grad_out: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
+                              sum_dy: Tensor, sum_dy_xmu: Tensor, count: Tensor) -> Tensor:
+    """The CPU kernel of ``distnorm::batch_norm_backward_elemt`` (the module docstring's
+    formula; ATen's CUDA kernel's arguments: per-channel tensors of the accumulation dtype,
+    ``count`` an int32 tensor whose sum is ``n``). Inputs of other layouts are made dense
+    first, in the gradient's memory format."""
+    if _dense_inner(x) is None or x.stride() != grad_out.stride():
+        layout = _memory_format(grad_out)
+        x, grad_out = x.contiguous(memory_format=layout), grad_out.contiguous(memory_format=layout)
+    inner = _dense_inner(x)
+    assert inner is not None and x.stride() == grad_out.stride(), (x.stride(), grad_out.stride())
+    channels = x.shape[1]
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if weight is None:
+        weight = torch.ones(channels, dtype=acc)
+    vectors = [v.to(acc).contiguous() for v in (mean, invstd, weight, sum_dy, sum_dy_xmu)]
+    out = torch.empty_like(x)
+    coef = torch.empty(3 * channels, dtype=acc)
+    total = int(count.sum())  # a CPU tensor: no device synchronisation
+    pointer = ctypes.c_void_p
+    getattr(library(), _FUNCTIONS[x.dtype])(
+        pointer(grad_out.data_ptr()), pointer(x.data_ptr()), pointer(out.data_ptr()),
+        *(pointer(v.data_ptr()) for v in vectors), ctypes.c_int64(total), ctypes.c_int64(channels),
+        ctypes.c_int64(inner), ctypes.c_int64(x.numel()), ctypes.c_int(torch.get_num_threads()),
+        pointer(coef.data_ptr()))
+    return out
+
+
+def _memory_format(t: Tensor) -> torch.memory_format:
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format

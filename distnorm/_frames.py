@@ -1,0 +1,275 @@
+"""Frames: the statistics collectives of the synchronized layers, checked on every rank.
+
+A rank that runs the model's layers in another order or number (a branch taken on one rank
+only) pairs its collectives with the wrong ones of the other ranks: collectives match by
+the order they are issued, never by layer. Unchecked, that mixes unrelated statistics
+silently (same sizes), or hands the backend a collective of mismatched sizes (gloo aborts
+the process; NCCL may hang until its timeout). A frame rules out both:
+
+* **One size.** Every distnorm collective of a process — forward statistics, backward
+  sums, BNP's statistics, the trainer's small reductions — is one float64 tensor of the
+  same length: the payload, padded to the widest payload any synchronized layer of this
+  process reserved at construction (:func:`reserve`), then the header. Whatever two ranks
+  pair, the backend sees a well-formed all-reduce.
+* **A fingerprint per rank.** The header has one entry per rank of the group for the slot
+  (``layer|phase``, a 52-bit hash) and one for the shape (channels and dtype); rank ``r``
+  writes entry ``r``, zeros elsewhere, so the sum hands every rank every rank's
+  fingerprint, exactly (integers below ``2**53`` in float64). No extra collective: the
+  header travels in the all-reduce the layer issues anyway (``2 * group_size`` float64).
+* **Checked where the host already waits.** On the CPU (gloo) the host waited for the
+  all-reduce: the header is compared at once, and every rank raises at the same collective
+  (they all summed the same header). On a GPU, reading it would be a host
+  synchronisation: the header is copied to pinned memory behind the all-reduce, and each
+  later frame compares those that have arrived (``Event.query``, never a wait); the
+  plugin's periodic check (:func:`check_pending`, at a step where it synchronises anyway)
+  compares the rest. A rank that finds a bad frame raises from the fingerprints alone —
+  no collective on the error path — naming every rank's layer: ranks that had run ahead
+  find the same bad frame, which every rank issued, among their completed ones.
+
+The error names layers by the slot texts this process knows: the slots it issued and the
+layer names :func:`add_name_source` callbacks return (a layer another rank ran and this one
+never did is named if it is in this process's model). Layers are told apart by name: name
+them (``distnorm.set_lr``, ``distnorm.name_layers``, ``distnorm.convert``, the plugin) or
+two unnamed ``CBN(64)`` look alike.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from distnorm.errors import CollectiveMismatchError
+
+__all__ = ["add_name_source", "check_pending", "compare_at_once", "frame_length", "reduce", "reserve", "slot_hash"]
+
+#: dtype codes of the shape entry (the input's dtype is part of the slot).
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+_WIDTH = [0]  # the longest payload reserved in this process (float64 elements)
+
+
+def reserve(channels: int, rows: int = 3) -> None:
+    """A synchronized layer of ``channels`` channels exists in this process: frames hold its
+    ``rows x channels`` statistics (3: sum, sum of squares, count). Called at construction,
+    so that ranks building the same model size every frame alike from its first step."""
+    _WIDTH[0] = max(_WIDTH[0], rows * int(channels))
+
+
+def frame_length(payload: int) -> int:
+    """Payload elements of a frame carrying ``payload``: the process's reserved width, or
+    more for a payload wider than every layer built (a functional call), which then widens
+    the later frames too — the same on every rank that runs the same calls."""
+    reserve(payload, rows=1)
+    return _WIDTH[0]
+
+
+def slot_hash(slot: str) -> int:
+    """The fingerprint of a slot's ``layer|phase``: 52 bits, never 0 (0 is "no rank here")."""
+    layer_phase = "|".join(slot.split("|")[:2])
+    digest = hashlib.blake2b(layer_phase.encode(), digest_size=8).digest()
+    return 1 + (int.from_bytes(digest, "little") >> 12)
+
+
+def _shape_code(channels: int, dtype: torch.dtype) -> int:
+    return 1 + channels * len(_DTYPES) + (_DTYPES.index(dtype) if dtype in _DTYPES else 0)
+
+
+def _describe_shape(code: int) -> str:
+    if code <= 0:
+        return "?"
+    channels, index = divmod(code - 1, len(_DTYPES))
+    return f"C={channels}, {str(_DTYPES[index]).replace('torch.', '')}"
+
+
+# ------------------------------------------------------------------------ names
+_NAME_SOURCES: list[Callable[[], Iterable[str]]] = []
+_ISSUED: dict[int, str] = {}  # hash -> "layer|phase" of the slots this process issued
+
+
+def add_name_source(source: Callable[[], Iterable[str]]) -> None:
+    """Register a callable returning the names of this process's layers (read on error only)."""
+    _NAME_SOURCES.append(source)
+
+
+def _name_of(fingerprint: int) -> str:
+    if fingerprint in _ISSUED:
+        return _ISSUED[fingerprint]
+    phases = ("forward", "backward")
+    for source in _NAME_SOURCES:
+        for name in source():
+            for text in [f"{name}|{p}" for p in phases] + [f"BNP '{name}'|forward"]:
+                if slot_hash(text) == fingerprint:
+                    return text
+    return f"a collective this process never issued (fingerprint {fingerprint:#x})"
+
+
+# ------------------------------------------------------------------------ frames
+class _Header(NamedTuple):
+    mine: torch.Tensor  # (2p,) on the device: this rank's entries, zeros elsewhere
+    expected: torch.Tensor  # (2p,) on the device: every rank's entries equal to this rank's
+    expected_host: torch.Tensor  # the same on the CPU, compared with a GPU frame's copy
+    slot: str
+
+
+_HEADERS: dict[tuple, _Header] = {}
+
+
+def _header(slot: str, shape: tuple[int, torch.dtype], rank: int, size: int, device: torch.device) -> _Header:
+    """The cached header tensors of a slot: made once (a layer's forward makes its backward's
+    too, so a step's ops are the same from the first backward on), from fills, never from a
+    host-to-device copy."""
+    key = (slot, shape, rank, size, device)
+    if key not in _HEADERS:
+        layer, _, rest = slot.partition("|")
+        phase, _, detail = rest.partition("|")
+        for each in ("forward", "backward") if phase in ("forward", "backward") else (phase,):
+            text = "|".join(part for part in (layer, each, detail) if part) if rest else slot
+            _HEADERS[(text, shape, rank, size, device)] = _make_header(text, shape, rank, size, device)
+    return _HEADERS[key]
+
+
+def _make_header(slot: str, shape: tuple[int, torch.dtype], rank: int, size: int, device: torch.device) -> _Header:
+    fingerprint, code = float(slot_hash(slot)), float(_shape_code(*shape))
+    mine = torch.zeros(2 * size, dtype=torch.float64, device=device)
+    mine[rank], mine[size + rank] = fingerprint, code
+    expected_host = torch.full((2 * size,), fingerprint, dtype=torch.float64)
+    expected_host[size:] = code
+    expected = expected_host if device.type == "cpu" else torch.full_like(mine, fingerprint).index_fill_(
+        0, torch.arange(size, 2 * size, device=device), code)
+    _ISSUED.setdefault(slot_hash(slot), "|".join(slot.split("|")[:2]))
+    return _Header(mine, expected, expected_host, slot)
+
+
+class _Frame(NamedTuple):
+    """A slot's frame, kept across steps with views made once: each collective then costs
+    four ops besides the all-reduce (payload in, header in, payload out, compare)."""
+
+    whole: torch.Tensor  # (length + 2p,) float64
+    payload: torch.Tensor  # the first numel elements, viewed in the payload's shape
+    header: torch.Tensor  # the last 2p elements
+
+
+_FRAMES: dict[tuple, _Frame] = {}
+
+
+def _frame(tensor: torch.Tensor, slot: str, size: int) -> _Frame:
+    length = frame_length(tensor.numel())
+    key = (slot, tuple(tensor.shape), length, size, tensor.device)
+    frame = _FRAMES.get(key)
+    if frame is None:
+        # torch.empty: the padding is never read, its values do not matter
+        whole = torch.empty(length + 2 * size, dtype=torch.float64, device=tensor.device)
+        frame = _FRAMES[key] = _Frame(whole, whole[: tensor.numel()].view(tensor.shape), whole[length:])
+    return frame
+
+
+def reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, shape: tuple[int, torch.dtype],
+           rank: int, size: int) -> torch.Tensor:
+    """All-reduce (sum) ``tensor`` in place over ``group`` inside a checked frame.
+
+    ``shape``: ``(channels, dtype)`` of the layer's input, part of the fingerprint; ``rank``
+    and ``size``: this process's rank in ``group`` and the group's size. Raises
+    :class:`CollectiveMismatchError` when the frame (on the CPU) or an earlier one (on a GPU)
+    was paired with another slot or shape on some rank.
+
+    The frame is the slot's own, reused at every step: stream order on a GPU (and the host's
+    wait on the CPU) puts each step's writes after the last step's reads.
+    """
+    header = _header(slot, shape, rank, size, tensor.device)
+    frame = _frame(tensor, slot, size)
+    frame.payload.copy_(tensor)
+    frame.header.copy_(header.mine)
+    dist.all_reduce(frame.whole, op=dist.ReduceOp.SUM, group=group)
+    tensor.copy_(frame.payload)
+    if compare_at_once(tensor.device):
+        if not torch.equal(frame.header, header.expected):
+            _raise(frame.header, header)
+    else:
+        _PENDING.record(frame.header, header)
+    return tensor
+
+
+def compare_at_once(device: torch.device) -> bool:
+    """Whether a frame's header is compared as soon as its all-reduce returns: on the CPU,
+    where the host waited for it (gloo) and the comparison reads no device. Elsewhere it
+    would be a host synchronisation per collective, so it is deferred (:class:`_Pending`).
+    The tests count the deferred path's ops on the CPU by answering ``False``."""
+    return device.type == "cpu"
+
+
+def _raise(received: torch.Tensor, header: _Header) -> None:
+    values = [int(v) for v in received.tolist()]  # the error path: a host read is fine here
+    size = len(values) // 2
+    lines = [f"  rank {r}: {_name_of(values[r])} ({_describe_shape(values[size + r])})" for r in range(size)]
+    raise CollectiveMismatchError(
+        "ranks paired a distnorm collective from different layers, phases or shapes; what each rank "
+        "of the group ran:\n" + "\n".join(lines) + "\n"
+        "Every rank must run the same synchronized layers in the same order: a branch taken on some "
+        "ranks only (a layer skipped, another layer run, another channel count) pairs statistics "
+        "that do not belong together. Make the branch the same on every rank, or build the layers "
+        "that may differ with sync=False."
+    )
+
+
+class _Pending:
+    """GPU frames whose headers are on their way to pinned host memory, oldest first."""
+
+    LIMIT = 4096  # frames kept unchecked at most: beyond, the oldest is waited for
+
+    def __init__(self) -> None:
+        self._frames: collections.deque = collections.deque()
+
+    def record(self, received: torch.Tensor, header: _Header) -> None:
+        if received.is_cuda:
+            # Behind the all-reduce on the stream: a copy to pinned memory, then an event the
+            # host polls. Nothing waits.
+            host = torch.empty(received.shape, dtype=received.dtype, pin_memory=True)
+            host.copy_(received, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            # Deferred on the CPU (compare_at_once answered False, as the tests do): taken as
+            # still on its way until a check waits for it, like a GPU far behind its host,
+            # the latest a mismatch can surface.
+            host, event = received.clone(), None  # the frame is overwritten at the next step
+        self._frames.append((event, host, header))
+        self.check()
+        while len(self._frames) > self.LIMIT:
+            self._check_oldest(wait=True)
+
+    def check(self, wait: bool = False) -> None:
+        """Compare the headers that have arrived, oldest first (with ``wait``: all of them,
+        waiting for each; a bad one raises before any later frame is waited for)."""
+        while self._frames and self._check_oldest(wait):
+            pass
+
+    def _check_oldest(self, wait: bool) -> bool:
+        event, host, header = self._frames[0]
+        if event is None or not event.query():
+            if not wait:
+                return False
+            if event is not None:
+                event.synchronize()
+        self._frames.popleft()
+        if not torch.equal(host, header.expected_host):
+            self._frames.clear()
+            _raise(host, header)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+
+_PENDING = _Pending()
+
+
+def check_pending() -> None:
+    """Compare every frame still unchecked (GPU), waiting for them: the plugin's periodic
+    check calls it at a step where it synchronises anyway. Raises
+    :class:`CollectiveMismatchError` naming each rank's layer. Free on the CPU (nothing
+    pending: gloo frames are checked as they return)."""
+    _PENDING.check(wait=True)
