@@ -27,11 +27,21 @@ backward (:func:`normalize_backward`)
     1. ATen's batch-norm backward computes the local sums ``S1 = sum(g)`` and
        ``T = sum(g * (x - center)) * invstd`` in one pass.
     2. Parameter gradients from the local sums (the data-parallel engine averages them).
-    3. ONE all-reduce of ``[S1, T]`` (only if the input needs a gradient), then
-       ``dx = a * g + B * x + D`` with per-channel ``a`` (float32 for fp16/bf16 inputs) and
-       ``[D, B] = grad_coef @ [S1, T]``: two fused passes.
+    3. ONE all-reduce of ``[S1, T]`` (only if the input needs a gradient), then ONE pass
+       reading ``g`` and ``x`` and writing ``dx`` (:func:`backward_elemt`)::
 
-The CBN and SyncBatchNorm input gradients are both of that form. With ``u = a / n``::
+           dx = a * (g - r_mu * S1 / n - (x - w) * q * T / n)
+
+       with per-channel ``a`` (float32 for fp16/bf16 inputs) and ``grad_coef = [[r_mu, q],
+       [w, n]]``. That is ATen's CUDA ``batch_norm_backward_elemt`` with ``mean = w``,
+       ``invstd = 1``, ``weight = a``, ``sum_dy = r_mu * S1``, ``sum_dy_xmu = q * T``,
+       ``count = [n]`` (no division by ``a``); on the CPU, its twin of the same schema
+       (:mod:`distnorm._cpu_kernels`). A training step so moves 8 activation passes: the
+       statistics' read, the output's read and write, the sums' two reads, and this pass's
+       two reads and one write (``tests/test_gpu_paths.py`` holds the ceiling).
+
+The CBN and SyncBatchNorm input gradients are both of that form, ``a * g + B * x + D`` with
+``u = a / n``::
 
     B = -u * q * T                 D = -u * r_mu * S1 + u * q * w * T
 
@@ -111,7 +121,8 @@ from torch.autograd.function import once_differentiable
 
 from distnorm import _bnp_functions, _collectives, _frames, _fused
 from distnorm._collectives import ProcessGroup, constant
-from distnorm._fused import grad_coef_of, neg_inverse_count, to_dtype, update_running
+from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt, cpu_kernel_enabled
+from distnorm._fused import grad_coef_of, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
 __all__ = [
@@ -228,8 +239,9 @@ class NormPlan(NamedTuple):
         grad_scale: ``a``, the factor of ``g`` in the input gradient — except for
             unsynchronized BN, whose backward is ATen's own: there, the weight (ones without
             affine) that kernel takes.
-        grad_coef: ``(2, 2, C)``, maps the global ``[S1, T]`` to ``[D, B]`` (zeros, unread,
-            for unsynchronized BN).
+        grad_coef: ``(2, 2, C)``, ``[[r_mu, q], [w, n]]``: with the global ``[S1, T]``, the
+            element-wise pass's coefficients (``distnorm::shift_slope``; zeros, unread, for
+            unsynchronized BN).
         beta_coef: ``q * d`` of CBN's ``dbeta = a (S1 - q d T)`` (local sums); empty for BN.
     """
 
@@ -383,7 +395,7 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
         grad_coef = _ZEROS.get((2, 2, channels), acc, mean.device)
     else:
         a = invstd * to_dtype(weight, acc) if weight is not None else invstd
-        grad_coef = grad_coef_of(neg_inverse_count(a, count), invstd, one, mean)
+        grad_coef = grad_coef_of(one, invstd, mean, count)  # r_mu = 1, q = invstd, w = mean
     plan = NormPlan(mean, var, invstd, a, grad_coef, _ZEROS.get((0,), acc, mean.device))
     update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
     return plan
@@ -520,13 +532,35 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     # averages them, exactly as for torch.nn.SyncBatchNorm.
     _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}",
                                 shape=(channels, x.dtype))
-    shift, slope = torch.ops.distnorm.shift_slope(grad_coef, sums, triton)  # D, B = grad_coef @ sums
+    shift, slope, w, count = torch.ops.distnorm.shift_slope(grad_coef, sums, triton)  # r_mu S1, q T, w, [n]
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
-    grad_x = channel_affine(x, slope, shift)
+    return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count)), grad_weight, grad_bias
+
+
+def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequence[Tensor]) -> Tensor:
+    """``dx = a (g - shift / n - (x - w) slope / n)`` in ONE pass over ``g`` and ``x``
+    (``args``: ``(w, shift, slope, count)`` of ``distnorm::shift_slope``; ``a = grad_scale``).
+
+    That is ATen's CUDA ``batch_norm_backward_elemt`` with ``mean = w``, ``invstd = 1``,
+    ``weight = a``, ``sum_dy = shift``, ``sum_dy_xmu = slope`` and ``count = [n]``, which
+    the CUDA path calls; the CPU calls its twin of the same schema and formula,
+    ``distnorm::batch_norm_backward_elemt`` (:mod:`distnorm._cpu_kernels`), unless
+    ``DISTNORM_CPU_KERNEL=0``. Other devices, and that setting, take ATen's two passes
+    (``a g + B x + D``, rounded twice). Kernel contract (CUDA): a non-empty input, per-channel
+    tensors of the accumulation dtype, 1-D and contiguous, ``count`` int32.
+    """
+    w, shift, slope, count = args
+    one = constant(1.0, w.shape[0], w.dtype, w.device)
+    if x.device.type == "cuda":
+        return torch.ops.aten.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
+    if x.device.type == "cpu" and cpu_kernel_enabled():
+        return torch.ops.distnorm.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
+    # B = -a slope / n, D = a (w slope - shift) / n: an affine map of x, then + a g.
+    u = grad_scale / count.to(w.dtype)
+    grad_x = channel_affine(x, torch.mul(u, slope).neg_(), torch.addcmul(shift, w, slope, value=-1.0).mul_(u).neg_())
     # a stays in the accumulation dtype: the in-place op computes in float32 and rounds once.
-    grad_x.addcmul_(grad_out, _view(grad_scale, x.dim()))
-    return grad_x, grad_weight, grad_bias
+    return grad_x.addcmul_(grad_out, _view(grad_scale, x.dim()))
 
 
 def _local_batch_norm_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], need_input_grad: bool,
@@ -675,13 +709,27 @@ def _cbn_param_grads_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor]:
     return s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1)
 
 
-def _shift_slope_fake(grad_coef: Tensor, sums: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
-    return sums.new_empty(sums.shape[1]), sums.new_empty(sums.shape[1])
+def _shift_slope_fake(grad_coef: Tensor, sums: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    channels = sums.shape[1]
+    return (sums.new_empty(channels), sums.new_empty(channels), sums.new_empty(channels),
+            sums.new_empty(1, dtype=torch.int32))
 
 
 _define("cbn_plan", _fused.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
 _define("cbn_param_grads", _fused.cbn_param_grads, _cbn_param_grads_fake)
 _define("shift_slope", _fused.shift_slope, _shift_slope_fake)
+
+
+# The backward's element-wise pass on the CPU (kernel: distnorm._cpu_kernels), with the schema
+# and the formula of ATen's CUDA batch_norm_backward_elemt, which the CUDA path calls.
+def _batch_norm_backward_elemt_fake(grad_out: Tensor, x: Tensor, *_: Any) -> Tensor:
+    return torch.empty_like(x)
+
+
+_LIB.define("batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
+            "Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor")
+_LIB.impl("batch_norm_backward_elemt", _cpu_backward_elemt, "CPU")
+torch.library.register_fake("distnorm::batch_norm_backward_elemt", _batch_norm_backward_elemt_fake, lib=_LIB)
 
 
 # A layer's statistics step and backward, run by the compiled graphs.

@@ -5,7 +5,8 @@
   (``aten/src/ATen/native/cuda/Normalization.cu``), which demands more than the CPU kernel:
   a call the CPU accepts but CUDA would reject is a violation.
 * :class:`OpCounter` — counts dispatched ATen ops (each is a kernel launch, a view or an
-  autograd bookkeeping op on a GPU) and host synchronisations (``.item()``,
+  autograd bookkeeping op on a GPU), the bytes of activation-sized tensors they read and
+  write (activation passes), and host synchronisations (``.item()``,
   ``bool(tensor)``, ``.tolist()`` all dispatch ``_local_scalar_dense``; ``torch.tensor(v,
   device=...)`` dispatches ``lift_fresh`` before its host-to-device copy).
 * :class:`CollectiveCounter` — every ``torch.distributed`` collective this process issues.
@@ -35,12 +36,24 @@ aten = torch.ops.aten
 HOST_SYNC = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default,
              aten.lift_fresh.default, aten.lift_fresh_copy.default}
 
-#: Batch-norm kernels that exist only on CUDA: a same-path layer never calls them.
+#: Batch-norm kernels that exist only on CUDA: a CPU call would fail, so a layer calls none of
+#: them on the CPU — and on CUDA only ``batch_norm_backward_elemt`` (the backward's element-wise
+#: pass), whose contract is checked there and on its CPU twin ``distnorm::batch_norm_backward_elemt``.
 CUDA_ONLY = {
     aten.batch_norm_stats.default, aten.batch_norm_elemt.default, aten.batch_norm_gather_stats.default,
     aten.batch_norm_gather_stats_with_counts.default, aten.batch_norm_backward_reduce.default,
     aten.batch_norm_backward_elemt.default,
 }
+
+
+def _cpu_twin() -> Any:
+    import distnorm  # noqa: F401  (declares the distnorm operators)
+
+    return torch.ops.distnorm.batch_norm_backward_elemt.default
+
+
+_CPU_TWIN = _cpu_twin()
+_BACKWARD_ELEMT = {aten.batch_norm_backward_elemt.default, _CPU_TWIN}
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -75,6 +88,15 @@ class CudaContractChecker(TorchDispatchMode):
     * **running mean / var given in pairs**, in training too (``batch_norm_cuda_out``:
       ``TORCH_CHECK(has_running_mean == has_running_var)``; ``batch_norm_update_stats_cuda``
       likewise).
+    * ``batch_norm_backward_elemt`` (on a CUDA tensor; and its CPU twin
+      ``distnorm::batch_norm_backward_elemt``, which receives exactly the arguments the CUDA
+      path gives it): no empty input (``batch_norm_backward_elemt_cuda_template`` reshapes to
+      ``(N, C, -1)``); ``grad_out`` of the input's shape and dtype; ``mean``, ``invstd``,
+      ``sum_dy``, ``sum_dy_xmu`` and ``weight`` 1-D, contiguous, of length C and of the
+      accumulation dtype (``TORCH_CHECK(mean_st == invstd_st)``; the channels-last kernel
+      reads them through ``data_ptr<stat_accscalar_t>``); ``count`` an int32 tensor
+      (``count.data_ptr<int>()``) on the input's device. Any other CUDA-only kernel, or this
+      one on a CPU tensor, is a violation: the CPU has no such kernel.
     * backward: ``save_mean`` / ``save_invstd`` defined (``batch_norm_backward_cuda``:
       ``TORCH_INTERNAL_ASSERT(save_mean->defined(), "save_mean should always be
       defined")``); a defined weight when weight / bias gradients are requested
@@ -117,10 +139,26 @@ class CudaContractChecker(TorchDispatchMode):
         if (rmean is None) != (rvar is None):
             self._fail(op, "running_mean and running_var must both be given or both be None")
 
+    def _backward_elemt(self, op, grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> None:
+        """``batch_norm_backward_elemt_cuda``'s contract (see the class docstring)."""
+        acc, c = _acc(x.dtype), x.shape[1]
+        self._input(op, x)
+        if tuple(grad_out.shape) != tuple(x.shape) or grad_out.dtype != x.dtype:
+            self._fail(op, "grad_out and input differ in shape or dtype")
+        for name, t in (("mean", mean), ("invstd", invstd), ("weight", weight), ("sum_dy", sum_dy),
+                        ("sum_dy_xmu", sum_dy_xmu)):
+            self._per_channel(op, name, t, c, acc)
+        if count.dtype != torch.int32 or count.dim() != 1 or count.device != x.device:
+            self._fail(op, f"count must be a 1-D int32 tensor on the input's device, got {count.dtype} "
+                           f"{tuple(count.shape)} on {count.device}")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         before = len(self.violations)
-        if func in CUDA_ONLY:
+        if func in _BACKWARD_ELEMT and (func is _CPU_TWIN or args[1].is_cuda):
+            self.calls[str(func)] += 1
+            self._backward_elemt(func, *args[:8])
+        elif func in CUDA_ONLY:
             self._fail(func, "CUDA-only kernel: the CPU path would differ")
         elif func is aten.native_batch_norm.default:
             self.calls[str(func)] += 1
@@ -183,24 +221,105 @@ class CudaContractChecker(TorchDispatchMode):
 
 
 class OpCounter(TorchDispatchMode):
-    """Count every dispatched op; ``host_syncs`` counts reads of device values on the host."""
+    """Count every dispatched op; ``host_syncs`` counts reads of device values on the host.
 
-    def __init__(self) -> None:
+    With ``activation`` (the layer's input, or its shape's element count), each op's
+    **activation traffic** is counted too: the bytes of the activation-sized tensors it
+    reads (tensor arguments) and writes (outputs), the measure of a memory-bound kernel on
+    a GPU and of a large one on a CPU. ``passes`` is that traffic in units of the
+    activation's own size (``x.numel() * x.element_size()``): a kernel reading ``x`` and
+    writing ``y`` is 2 passes. The rules, read from each op's schema:
+
+    * a **view** (an output that aliases an argument without writing it: ``view``,
+      ``expand``, ``detach``, ``as_strided``...) moves nothing: free;
+    * an **in-place** op reads its mutated argument and writes it **once** (the output it
+      returns is that argument, not a second write); an ``out=`` argument is written only;
+    * an allocation (``empty``, ``empty_like``, ``empty_strided``) moves nothing;
+    * a tensor is activation-sized when it has at least ``activation``'s element count and
+      no broadcast (stride-0) dimension: a per-channel vector ``expand``-ed to the full shape
+      is read from its ``C`` values.
+
+    Per-op traffic counts what each argument holds once, as a fused kernel would stream
+    it: ``native_batch_norm`` in training reads ``x`` twice inside (statistics, then the
+    output) but is counted as one read and one write — which is why ``torch.nn.BatchNorm2d``
+    shows 5 passes per training step for the 8 its kernels make.
+    ``per_op`` lists ``(op, passes)`` for the ops that moved activation data.
+    """
+
+    def __init__(self, activation: torch.Tensor | int | None = None) -> None:
         super().__init__()
         self.ops: list[str] = []
         self.host_syncs = 0
+        if isinstance(activation, torch.Tensor):
+            self._numel, self._unit = activation.numel(), activation.numel() * activation.element_size()
+        else:
+            self._numel, self._unit = activation, None
+        self.read_bytes = 0
+        self.written_bytes = 0
+        self.per_op: list[tuple[str, float]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.ops.append(str(func))
         if func in HOST_SYNC:
             self.host_syncs += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        if self._numel is not None:
+            self._traffic(func, args, kwargs, out)
+        return out
+
+    def _large(self, t: Any) -> bool:
+        return (isinstance(t, torch.Tensor) and t.numel() >= self._numel
+                and all(st != 0 or sz == 1 for st, sz in zip(t.stride(), t.shape)))
+
+    def _traffic(self, func, args, kwargs, out) -> None:
+        """Add ``func``'s activation reads and writes (see the class docstring)."""
+        if func.name().split("::")[-1].split(".")[0] in _ALLOCATIONS:
+            return
+        schema = func._schema
+        read = written = 0
+        mutated = False
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            tensors = value if isinstance(value, (list, tuple)) else [value]
+            size = sum(t.numel() * t.element_size() for t in tensors if self._large(t))
+            alias = arg.alias_info
+            if alias is not None and alias.is_write:
+                mutated = True
+                written += size
+                if not arg.kwarg_only:  # an in-place self is read first; an out= argument is not
+                    read += size
+            else:
+                read += size
+        views = any(r.alias_info is not None for r in schema.returns)
+        if not mutated and not views:  # fresh outputs
+            outs = out if isinstance(out, (list, tuple)) else [out]
+            written += sum(t.numel() * t.element_size() for t in outs if self._large(t))
+        if views and not mutated:  # a view reads nothing
+            read = 0
+        self.read_bytes += read
+        self.written_bytes += written
+        if read or written:
+            self.per_op.append((str(func), (read + written) / self._unit_bytes(read + written)))
+
+    def _unit_bytes(self, fallback: int) -> int:
+        return self._unit or fallback
+
+    @property
+    def passes(self) -> float:
+        """Activation traffic in units of the activation's size (see the class docstring)."""
+        total = self.read_bytes + self.written_bytes
+        return total / self._unit if self._unit else float(total > 0)
 
     def __len__(self) -> int:
         return len(self.ops)
 
     def table(self) -> list[tuple[str, int]]:
         return Counter(self.ops).most_common()
+
+
+#: Ops that allocate without moving data: no activation traffic.
+_ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
 class CollectiveCounter(TorchDispatchMode):
