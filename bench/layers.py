@@ -7,10 +7,12 @@ Measures, for each input shape, the median time of one training forward+backward
 naive autograd CBN (the float64 test reference of SPEC §1, run in float32) against
 ``torch.nn.BatchNorm2d``; the bytes each saves for backward; and, in a real 2-rank gloo
 run, how many collectives each layer issues per step and how many bytes they carry; and the
-ATen ops each layer dispatches per training step (``tests/dispatch.OpCounter``): on a GPU
-each is a kernel launch, which for small per-channel work costs more than the work. The
+ATen ops each layer dispatches per training step and the activation passes they make
+(``tests/dispatch.OpCounter``: bytes of activation-sized tensors read and written, over the
+input's size; 8 is a synchronized layer's floor): on a GPU each op is a kernel launch, which
+for small per-channel work costs more than the work, and each pass is memory traffic. The
 counts, local and on 2 ranks, must stay within the budgets ``tests/test_gpu_paths.py``
-enforces.
+enforces. Shapes: ResNet's first stage and a late one, and the first again in channels_last.
 
 Reported ratios (time of the layer / time of BatchNorm2d; lower is better) use the first
 (largest) shape; ``naive_vs_cbn`` is how many times faster CBN is than the naive version.
@@ -33,7 +35,7 @@ import distnorm
 from tests.dispatch import CollectiveCounter, OpCounter
 from tests.reference import CBNState, cbn_train
 
-SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14)]
+SHAPES = [(32, 64, 56, 56), (32, 256, 14, 14), (32, 64, 56, 56, "channels_last")]
 QUICK_SHAPES = [(8, 16, 16, 16)]
 LR = 0.01  # eta = 1 - 10 * 0.01 = 0.9: the AMAT history path, the most expensive one
 
@@ -80,18 +82,22 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-def dispatched_ops(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, int]:
-    """ATen ops (kernel launches on a GPU) and host syncs of one training forward + backward."""
+def dispatched_ops(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
+    """ATen ops (kernel launches on a GPU), activation passes (bytes of activation-sized
+    tensors read and written, over the input's size) and host syncs of one training
+    forward + backward (``tests/dispatch.OpCounter``)."""
     x = x.detach().requires_grad_()
-    with OpCounter() as counter:
+    with OpCounter(x) as counter:
         layer(x).backward(grad)
-    return {"ops": len(counter), "host_syncs": counter.host_syncs}
+    return {"ops": len(counter), "activation_passes": counter.passes, "host_syncs": counter.host_syncs}
 
 
 def time_layers(shape, device, repeats) -> dict:
+    *shape, layout = shape if isinstance(shape[-1], str) else (*shape, "contiguous")
     layers = make_layers(shape[1], device)
-    x = (torch.randn(*shape, device=device) * 2 + 0.5).requires_grad_()
-    grad = torch.randn(*shape, device=device)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    x = (torch.randn(*shape, device=device) * 2 + 0.5).to(memory_format=fmt).requires_grad_()
+    grad = torch.randn(*shape, device=device).to(memory_format=fmt)
     for layer in layers.values():  # initialise AMAT so every timed step uses history
         layer(x.detach())
 
@@ -105,6 +111,7 @@ def time_layers(shape, device, repeats) -> dict:
     base = medians["batchnorm2d"]
     return {
         "shape": list(shape),
+        "memory_format": layout,
         "median_ms": {k: round(v * 1e3, 4) for k, v in medians.items()},
         "ratio_vs_batchnorm2d": {k: round(v / base, 4) for k, v in medians.items()},
         "naive_vs_cbn": round(medians["naive_cbn"] / medians["cbn"], 3),
@@ -176,6 +183,8 @@ def main(argv=None) -> dict:
         "lr": LR,
         "shapes": per_shape,
         "collectives_2_ranks": collectives_two_ranks(),
+        "ratios_per_shape": {f"{tuple(e['shape'])} {e['memory_format']}": {
+            k: e["ratio_vs_batchnorm2d"][k] for k in ("cbn", "popnorm", "syncbn")} for e in per_shape},
         "ratios": {
             "cbn_vs_batchnorm2d": main_shape["ratio_vs_batchnorm2d"]["cbn"],
             "popnorm_vs_batchnorm2d": main_shape["ratio_vs_batchnorm2d"]["popnorm"],
@@ -184,10 +193,10 @@ def main(argv=None) -> dict:
         },
     }
     for entry in per_shape:
-        print(f"shape {tuple(entry['shape'])}: median fwd+bwd ms {entry['median_ms']}")
+        print(f"shape {tuple(entry['shape'])} {entry['memory_format']}: median fwd+bwd ms {entry['median_ms']}")
         print(f"  ratio vs BatchNorm2d {entry['ratio_vs_batchnorm2d']}; CBN is {entry['naive_vs_cbn']}x faster than naive")
         print(f"  saved for backward (input {entry['input_bytes']} B): {entry['saved_for_backward_bytes']}")
-        print(f"  dispatched ATen ops per step: {entry['dispatched_ops_per_step']}")
+        print(f"  dispatched ATen ops, activation passes per step: {entry['dispatched_ops_per_step']}")
     print(f"collectives per layer per step, 2 ranks: {payload['collectives_2_ranks']['per_layer_per_step']}")
     print(f"ratios: {payload['ratios']}")
     write_json(args.json, payload)
