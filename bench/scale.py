@@ -64,10 +64,13 @@ NCCL = {
     "tree_bw_ratio": 0.5,  # bus -> algorithm bandwidth, tree
 }
 GPUS_PER_NODE = 8
-#: What a synchronized layer sends per step, per channel: forward 3 C float64 (sum, sum of
-#: squares, count), backward 2 C float32 -- as bench/layers.py counts them (test_bench.py).
-FORWARD_BYTES_PER_CHANNEL = 24
-BACKWARD_BYTES_PER_CHANNEL = 8
+#: What a synchronized layer sends per step: two frames (distnorm/_frames.py), each one
+#: float64 all-reduce of the widest layer's forward payload (3 C_max: sum, sum of squares,
+#: count) and 2 header entries per rank of the group (every rank's fingerprint), whatever
+#: the layer's own C -- as tests/test_branches.py counts them.
+FRAME_ROWS = 3
+FRAME_HEADER_PER_RANK = 2
+FLOAT64_BYTES = 8
 #: One A100 80GB, AMP, images/s (NVIDIA DeepLearningExamples, PyTorch, pytorch-21.03 NGC):
 #: PyTorch/Classification/ConvNets/resnet50v1.5/README.md and .../efficientnet/README.md,
 #: "Training performance: NVIDIA DGX A100 (8x A100 80GB)", 1 GPU, mixed precision.
@@ -109,14 +112,19 @@ def synced_layers(model: str, norm: str = "bn") -> list[int]:
     return [m.num_features for m in net.modules() if hasattr(m, "num_features") and hasattr(m, "process_group")]
 
 
-def collective_bytes(channels: list[int]) -> list[int]:
-    """Bytes of each all-reduce of one step: one forward and one backward per layer."""
-    return ([FORWARD_BYTES_PER_CHANNEL * c for c in channels] + [BACKWARD_BYTES_PER_CHANNEL * c for c in channels])
+def frame_bytes(channels: list[int], group: int) -> int:
+    """Bytes of every distnorm all-reduce of the model in groups of ``group`` ranks."""
+    return FLOAT64_BYTES * (FRAME_ROWS * max(channels) + FRAME_HEADER_PER_RANK * group)
+
+
+def collective_bytes(channels: list[int], group: int) -> list[int]:
+    """Bytes of each all-reduce of one step: one forward and one backward frame per layer."""
+    return [frame_bytes(channels, group)] * (2 * len(channels))
 
 
 def sync_ms(channels: list[int], group: int) -> float:
     """Milliseconds per step waiting for the layers' all-reduces in groups of ``group`` GPUs."""
-    return sum(nccl_allreduce_us(n, group)[0] for n in collective_bytes(channels)) / 1e3
+    return sum(nccl_allreduce_us(n, group)[0] for n in collective_bytes(channels, group)) / 1e3
 
 
 def predict(models_: tuple[str, ...] = ("resnet50", "efficientnet_b0"), worlds=WORLDS, groups=GROUPS,
@@ -142,15 +150,15 @@ def predict(models_: tuple[str, ...] = ("resnet50", "efficientnet_b0"), worlds=W
             by_batch[b] = {"compute_ms": round(compute, 3), "share_per_group": share, "worlds": table}
         out[name] = {"synced_layers": len(channels), "channels": sum(channels),
                      "collectives_per_step": 2 * len(channels),
-                     "bytes_per_step": sum(collective_bytes(channels)),
+                     "bytes_per_step_per_group": {g: sum(collective_bytes(channels, g)) for g in groups},
                      "images_per_s_assumed": images_per_s,
                      "sync_ms_per_group": per_group,
                      "allreduce_us_per_group": {g: {"mean": round(per_group[g] * 1e3 / (2 * len(channels)), 2),
-                                                    "algorithm": nccl_allreduce_us(FORWARD_BYTES_PER_CHANNEL * max(channels), g)[1]}
+                                                    "algorithm": nccl_allreduce_us(frame_bytes(channels, g), g)[1]}
                                                 for g in groups},
                      "per_gpu_batch": by_batch}
     return {"threshold": THRESHOLD, "gpus_per_node": GPUS_PER_NODE, "nccl_model": NCCL,
-            "bytes_per_channel": {"forward": FORWARD_BYTES_PER_CHANNEL, "backward": BACKWARD_BYTES_PER_CHANNEL},
+            "frame": {"rows": FRAME_ROWS, "header_per_rank": FRAME_HEADER_PER_RANK, "dtype_bytes": FLOAT64_BYTES},
             "compute": {"a100_images_per_s": A100_IMAGES_PER_S, "h100_over_a100_assumed": speedup,
                         "source": "NVIDIA/DeepLearningExamples PyTorch ConvNets READMEs (resnet50v1.5, efficientnet): "
                                   "1x A100 80GB, mixed precision, pytorch-21.03 NGC"},
@@ -364,6 +372,7 @@ def summarize(checks: dict) -> dict:
 def markdown(prediction: dict) -> str:
     """The docs' tables: per model, each group's all-reduce and share of a step per per-GPU
     batch; then the largest group under the threshold at each world size."""
+    prediction = json.loads(json.dumps(prediction))  # the same keys (text) fresh or read back from the JSON
     lines = []
     for name, m in prediction["models"].items():
         batches = list(m["per_gpu_batch"])
@@ -374,9 +383,9 @@ def markdown(prediction: dict) -> str:
                   + " | ".join(f"share, batch {b}/GPU" for b in batches) + " |",
                   "|---" * (3 + len(batches)) + "|"]
         for g in GROUPS[1:]:
-            ar = m["allreduce_us_per_group"][g]
-            shares = " | ".join(f"{m['per_gpu_batch'][b]['share_per_group'][g] * 100:.1f} %" for b in batches)
-            lines.append(f"| {g} | {ar['mean']:.1f} us ({ar['algorithm']}) | {m['sync_ms_per_group'][g]:.2f} ms | {shares} |")
+            ar = m["allreduce_us_per_group"][str(g)]
+            shares = " | ".join(f"{m['per_gpu_batch'][b]['share_per_group'][str(g)] * 100:.1f} %" for b in batches)
+            lines.append(f"| {g} | {ar['mean']:.1f} us ({ar['algorithm']}) | {m['sync_ms_per_group'][str(g)]:.2f} ms | {shares} |")
         lines.append("")
     names = list(prediction["models"])
     batches = list(prediction["models"][names[0]]["per_gpu_batch"])

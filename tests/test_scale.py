@@ -34,7 +34,8 @@ def test_synced_layers_are_counted_from_the_models(scale):
     resnet50, effnet = scale.synced_layers("resnet50"), scale.synced_layers("efficientnet_b0")
     assert (len(resnet50), sum(resnet50)) == (53, 26560)
     assert (len(effnet), sum(effnet)) == (49, 21008)
-    assert scale.collective_bytes([64, 128]) == [24 * 64, 24 * 128, 8 * 64, 8 * 128]
+    # every collective a frame: 8 bytes x (3 x the widest layer + 2 x the group's ranks)
+    assert scale.collective_bytes([64, 128], 4) == [8 * (3 * 128 + 2 * 4)] * 4
 
 
 def test_nccl_latency_model_follows_tuning_cc(scale):
@@ -93,8 +94,8 @@ def test_committed_result_matches_the_model(scale):
 @pytest.mark.timeout(300)
 def test_scale_simulation_quick(tmp_path):
     """Two gloo ranks on loopback: the collectives counted per step (one forward and one
-    backward all-reduce per synchronized layer, 32 bytes per channel; none for a layer in a
-    group of one), each check's fields, every time a measurement."""
+    backward all-reduce per synchronized layer, each a frame of the widest layer's size; none
+    for a layer in a group of one), each check's fields, every time a measurement."""
     out = tmp_path / "scale.json"
     subprocess.run([sys.executable, str(REPO / "bench" / "scale.py"), "--quick", "--loopback", "--json", str(out)],
                    check=True, cwd=REPO, timeout=280)
@@ -103,7 +104,7 @@ def test_scale_simulation_quick(tmp_path):
     counts = run["collectives"]
     synced = counts["sync_world"]
     assert synced["collectives"] == 2 * 19 and synced["kinds"] == ["allreduce_"]
-    assert sum(synced["bytes"]) == 32 * sum(synced["channels"]) == 32 * 688
+    assert synced["bytes"] == [8 * (3 * 64 + 2 * 2)] * (2 * 19)  # frames: ResNet-20's widest layer, 2 ranks
     assert counts["local_bn"]["collectives"] == counts["unsynced"]["collectives"] == 0
     times = [*run["median_step_ms"].values(), *run["latency_us"]["world"].values()]
     assert all(math.isfinite(t) and t > 0 for t in times)
