@@ -178,11 +178,12 @@ class NormState:
     stash: Stash | None = field(default=None, repr=False)  # made at the first stash (a layer makes its own)
     pending: StashedPlan | None = field(default=None, repr=False)
     key: int = field(default=-1, repr=False)  # registry key (a module's state; -1: a functional call's)
+    channels: int = field(default=0, repr=False)  # a module's, reserved in every frame (distnorm._frames)
 
     @classmethod
     def of_layer(cls, kind: str, name: str, channels: int, **fields: Any) -> "NormState":
         """A module's state: kept across its calls, with its own stash, and registered."""
-        state = cls(kind, name, stash=Stash(), **fields)
+        state = cls(kind, name, stash=Stash(), channels=channels, **fields)
         register(state, channels)
         return state
 
@@ -197,8 +198,8 @@ class NormState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.stash = Stash()
-        if self.key >= 0:  # a module's state: the copy gets a key of its own
-            register(self)
+        if self.key >= 0:  # a module's state: the copy gets a key of its own (and its frames' width)
+            register(self, self.channels)
 
     def __deepcopy__(self, memo: dict) -> "NormState":
         new = NormState.__new__(NormState)

@@ -81,6 +81,7 @@ import torch
 from torch import Tensor
 
 from distnorm import _collectives
+from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm._collectives import ProcessGroup, constant
 
 __all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_param_grads_composite", "cbn_plan", "cbn_plan_composite",
@@ -401,16 +402,19 @@ def _failure(reason: str) -> RuntimeError:
 
 
 def triton_vote(group: ProcessGroup | None, device: torch.device, channels: int) -> Optional[Tensor]:
-    """This rank's vote as a float64 ``[ok, failed]`` on ``device`` (``[0, 0]``: Triton not
-    wanted or not here), to be summed over ``group`` by the statistics' all-reduce of a layer
-    of ``channels`` channels; or ``None`` when there is nothing to agree or no room: no group,
-    the group agreed already for this device type, or fewer than 3 channels (the vote rides
-    on the counts, :func:`distnorm._collectives.global_moments`). Every rank of a group gets
-    ``None`` or a tensor at the same call — what decides it is the same on every rank."""
-    if group is None or channels < 3 or (group, device.type) in _AGREED:
+    """This rank's vote as a float64 ``[ok, failed, cpu_kernel_off]`` on ``device`` (``ok =
+    failed = 0``: Triton not wanted or not here; ``cpu_kernel_off``: ``DISTNORM_CPU_KERNEL=0``
+    here, :mod:`distnorm._cpu_kernels`), to be summed over ``group`` by the statistics'
+    all-reduce of a layer of ``channels`` channels; or ``None`` when there is nothing to agree
+    or no room: no group, the group agreed already for this device type, or at most 3
+    channels (the vote rides on the counts, :func:`distnorm._collectives.global_moments`).
+    Every rank of a group gets ``None`` or a tensor at the same call — what decides it is the
+    same on every rank."""
+    if group is None or channels <= 3 or (group, device.type) in _AGREED:
         return None
     verdict = _local_verdict(device)[0]
-    return torch.tensor([verdict == _OK, verdict == _FAILED], dtype=torch.float64).to(device)
+    return torch.tensor([verdict == _OK, verdict == _FAILED, not cpu_kernel_enabled()],
+                        dtype=torch.float64).to(device)
 
 
 def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Optional[Tensor] = None) -> bool:
@@ -432,8 +436,13 @@ def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Opt
     if votes is None:
         agreed = _AGREED.get((group, device.type))
         return agreed is not None and agreed.used
-    ok, failed = (int(v) for v in votes.tolist())  # once per group and device type
+    ok, failed, cpu_kernel_off = (int(v) for v in votes.tolist())  # once per group and device type
     size = _collectives.group_size(group)
+    if 0 < cpu_kernel_off < size:  # the backward's element-wise pass would round differently on some ranks
+        texts = _collectives.gather_texts(f"DISTNORM_CPU_KERNEL={os.environ.get('DISTNORM_CPU_KERNEL', '')!r}", group)
+        listing = "\n".join(f"  rank {r}: {t}" for r, t in zip(_collectives.group_ranks(group), texts))
+        raise RuntimeError(f"distnorm: DISTNORM_CPU_KERNEL=0 on {cpu_kernel_off} of the {size} ranks of the group; every "
+                           f"rank must run the same backward arithmetic, so set it on every rank or on none:\n{listing}")
     if ok == size:
         _AGREED[(group, device.type)] = TritonState(True, "")
         return True

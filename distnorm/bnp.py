@@ -215,7 +215,7 @@ def _setstate_preconditioned(module: nn.Module, state: dict[str, Any]) -> None:
     module._distnorm_original_class.__setstate__(module, state)
     bnp_state = module.__dict__.get("_distnorm_bnp")
     if bnp_state is not None:
-        _functions.register(bnp_state)
+        _functions.register(bnp_state, channels=module.bnp_mean.numel())  # its frames' width too
 
 
 def _post_forward(module: nn.Module, args: tuple, output: Any) -> None:

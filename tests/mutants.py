@@ -1090,6 +1090,14 @@ MUTANTS: list[Mutant] = [
         "    pass\n",
         ("tests/test_branches.py::test_the_plugin_check_names_both_layers_when_frames_are_compared_late",),
     ),
+    Mutant(
+        "cpu-kernel-setting-not-voted",
+        "every rank runs the same backward arithmetic: DISTNORM_CPU_KERNEL is agreed in the group's first step",
+        "distnorm/_fused.py",
+        "    return torch.tensor([verdict == _OK, verdict == _FAILED, not cpu_kernel_enabled()],\n",
+        "    return torch.tensor([verdict == _OK, verdict == _FAILED, False],\n",
+        ("tests/test_fused.py::test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank",),
+    ),
 ]
 
 

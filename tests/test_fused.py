@@ -351,3 +351,29 @@ def test_the_elementwise_operator_is_well_formed_for_torch_compile():
     g, x = torch.randn(3, C, 4), torch.randn(3, C, 4)
     args = (g, x, *(torch.randn(C) for _ in range(5)), torch.tensor([12], dtype=torch.int32))
     torch.library.opcheck(torch.ops.distnorm.batch_norm_backward_elemt.default, args)
+
+
+def _cpu_kernel_setting_worker(rank: int, world: int) -> str:
+    import os
+
+    if rank == 1:
+        os.environ["DISTNORM_CPU_KERNEL"] = "0"  # this rank alone would take ATen's two passes
+    layer = distnorm.CBN(8)
+    distnorm.set_lr(layer, 0.01)
+    try:
+        layer(torch.randn(6, 8, requires_grad=True)).sum().backward()
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.world_size(2)
+def test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank(tmp_path):
+    """``DISTNORM_CPU_KERNEL=0`` on one rank only would round the backward's element-wise pass
+    differently there: the group's first step (its kernel vote, in the statistics all-reduce)
+    raises on every rank, naming each rank's setting. Bug caught: the setting read per rank."""
+    from tests.distributed import run_distributed
+
+    for rank, message in enumerate(run_distributed(_cpu_kernel_setting_worker, 2, tmp_path, timeout=120)):
+        assert "DISTNORM_CPU_KERNEL=0 on 1 of the 2 ranks" in message and "rank 1: DISTNORM_CPU_KERNEL='0'" in message, \
+            (rank, message)
