@@ -274,7 +274,7 @@ class CBN(_CompleteNorm):
         torch.Size([8, 16, 5, 5])
     """
 
-    def __init__(
+    def __init__(  # SPEC §7's public signature, its defaults the spec's (CBNSpec)
         self,
         num_features: int,
         *,
