@@ -7,4 +7,10 @@
 
 torch FSDP (``fully_shard`` and ``FullyShardedDataParallel``) needs no integration: convert
 before sharding, then ``DistNormPlugin.follow(optimizer)`` (see ``docs/guides/fsdp.md``).
+
+Each module is named after its engine's library and registers, once, everything distnorm
+knows about that engine as one :class:`distnorm._engines.Engine` (its ``ENGINE``): the
+types that wrap a model, how the plugin follows the engine, which parameters it partitions,
+and how the plugin's state rides in the engine's own checkpoints. An object of the library
+met by distnorm loads the module by that name, so a new engine is one new module here.
 """
