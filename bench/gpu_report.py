@@ -12,7 +12,7 @@ pytest-timeout or network). ``<out>`` is ``--out``, else ``$OUT`` when it is set
 lent machine sends back), else ``bench/results``. The parts, in this order, each in its own
 process (its whole output also goes to ``<out>/<name>.<part>.log`` as it runs):
 
-* **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_gpu_paths.py``
+* **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_step_cost.py tests/test_compile.py tests/test_checkpointing.py``
   with ``DISTNORM_TEST_TIER=gpu`` (conftest.py then does without Sybil): the CUDA tests only,
   passed / failed / skipped counts, every skip reason with its count (what the machine lacks:
   a CUDA device, a second GPU, triton), the failures by name (pytest's JUnit XML,
@@ -76,7 +76,8 @@ from _common import REPO, machine
 
 HERE = Path(__file__).resolve().parent
 PARTS = ("tests", "step_eager", "layers", "decode", "step_compile")
-TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_gpu_paths.py"]
+TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_step_cost.py", "tests/test_compile.py",
+         "tests/test_checkpointing.py"]
 #: Only the tests that need CUDA (the CPU tests of these files run in ``make test``).
 TEST_MARKER = "cuda"
 #: What the tests' process gets: conftest.py collects without Sybil in this tier.

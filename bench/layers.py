@@ -11,7 +11,7 @@ ATen ops each layer dispatches per training step and the activation passes they 
 (``tests/dispatch.OpCounter``: bytes of activation-sized tensors read and written, over the
 input's size; 8 is a synchronized layer's floor): on a GPU each op is a kernel launch, which
 for small per-channel work costs more than the work, and each pass is memory traffic. The
-counts, local and on 2 ranks, must stay within the budgets ``tests/test_gpu_paths.py``
+counts, local and on 2 ranks, must stay within the budgets ``tests/test_step_cost.py``
 enforces. Shapes: ResNet's first stage and a late one, and the first again in channels_last.
 
 Reported ratios (time of the layer / time of BatchNorm2d; lower is better) use the first

@@ -38,7 +38,7 @@ backward (:func:`normalize_backward`)
        ``count = [n]`` (no division by ``a``); on the CPU, its twin of the same schema
        (:mod:`distnorm._cpu_kernels`). A training step so moves 8 activation passes: the
        statistics' read, the output's read and write, the sums' two reads, and this pass's
-       two reads and one write (``tests/test_gpu_paths.py`` holds the ceiling).
+       two reads and one write (``tests/test_step_cost.py`` holds the ceiling).
 
 The CBN and SyncBatchNorm input gradients are both of that form, ``a * g + B * x + D`` with
 ``u = a / n``::

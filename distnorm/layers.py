@@ -98,9 +98,6 @@ class _DistNormLayer(nn.Module):
 class _CompleteNorm(_DistNormLayer):
     """Common implementation of :class:`CBN` and :class:`POPNorm`."""
 
-    # Version 2 added the `amat_eta` buffer (eval_stats="auto").
-    _version = 2
-
     rho = _state_field("rho", "normalization magnitude (kappa for POP-Norm)")
     r_max = _state_field("r_max", "clamp of the stop-gradient ratios")
     sync = _state_field("sync", "synchronize statistics across ranks")
@@ -192,12 +189,6 @@ class _CompleteNorm(_DistNormLayer):
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
-        version = local_metadata.get("version")
-        key = prefix + "amat_eta"
-        if (version is None or version < 2) and key not in state_dict:
-            # Saved before eval_stats="auto" existed: those layers evaluated with the AMAT
-            # statistics, which eta = 1 keeps them doing.
-            state_dict[key] = torch.tensor(1.0 if self.amat else 0.0)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # Host-side facts follow the loaded buffers (one read at load time, not per step).

@@ -71,7 +71,6 @@ class Mutant:
 
 LD = "tests/test_layers_distributed.py"
 KC = "tests/test_kernel_contracts.py"
-GP = "tests/test_gpu_paths.py"
 REL = "tests/test_reliability.py"
 DB = "tests/test_ddp_buffers.py"
 
@@ -264,7 +263,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_functions.py",
         "    plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,\n",
         "    plan = NormPlan(*_fused.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,\n",
-        (f"{GP}::test_dispatched_ops_and_host_syncs_per_step",),
+        ("tests/test_step_cost.py::test_dispatched_ops_and_host_syncs_per_step",),
     ),
     Mutant(
         "eta-formula",
@@ -313,7 +312,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/functional.py",
         "        eta = torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)\n",
         "        eta = torch.tensor(float(eta), dtype=buffers[0].dtype, device=x.device)\n",
-        (f"{GP}::test_no_host_sync_on_any_per_step_path",),
+        ("tests/test_step_cost.py::test_no_host_sync_on_any_per_step_path",),
     ),
     Mutant(
         "checkpoint-recompute-updates",
@@ -321,7 +320,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_functions.py",
         "    if in_backward():\n        return stash.pop(x.shape, state.name)\n",
         "    if False:\n        return stash.pop(x.shape, state.name)\n",
-        (f"{GP}::test_checkpointing_equals_plain_and_updates_buffers_once[False]",),
+        ("tests/test_checkpointing.py::test_checkpointing_equals_plain_and_updates_buffers_once[False]",),
     ),
     Mutant(
         "checkpoint-plain-plans-kept",
@@ -329,7 +328,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_functions.py",
         "    grad_enabled = torch.is_grad_enabled()  # the caller's: the statistics ran under no_grad\n",
         "    grad_enabled = False  # the caller's: the statistics ran under no_grad\n",
-        (f"{GP}::test_a_checkpointed_step_after_plain_steps_recomputes_with_its_own_statistics",),
+        ("tests/test_checkpointing.py::test_a_checkpointed_step_after_plain_steps_recomputes_with_its_own_statistics",),
     ),
     Mutant(
         "stash-keeps-dead-references",
@@ -337,7 +336,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_recompute.py",
         "            live = (e for e in self._entries if isinstance(e, weakref.ref) and e() is not None)\n",
         "            live = (e for e in self._entries if isinstance(e, weakref.ref))\n",
-        (f"{GP}::test_a_checkpointed_step_after_plain_steps_recomputes_with_its_own_statistics",),
+        ("tests/test_checkpointing.py::test_a_checkpointed_step_after_plain_steps_recomputes_with_its_own_statistics",),
     ),
     Mutant(
         "layer-hands-a-closure",
@@ -345,7 +344,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/layers.py",
         "        buffers = (self.running_mean, self.running_var, self.num_batches_tracked)\n",
         "        buffers = (lambda: (self.running_mean, self.running_var, self.num_batches_tracked))()\n",
-        ("tests/test_one_owner.py::test_a_layer_step_walks_down_module_functional_operators_collectives",),
+        ("tests/test_structure.py::test_a_layer_step_walks_down_module_functional_operators_collectives",),
     ),
     Mutant(
         "compile-reads-lr",
@@ -353,7 +352,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/plugin.py",
         "model.register_forward_pre_hook(torch.compiler.disable(self._before_forward))",
         "model.register_forward_pre_hook(self._before_forward)  # was torch.compiler.disable(...)",
-        (f"{GP}::test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes",),
+        ("tests/test_compile.py::test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes",),
     ),
     Mutant(
         "functional-state-unregistered",
@@ -361,7 +360,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_functions.py",
         '    if state.key >= 0:\n        return ""\n',
         '    if True:\n        return ""\n',
-        (f"{GP}::test_compiled_functional_api_equals_eager",),
+        ("tests/test_compile.py::test_compiled_functional_api_equals_eager",),
     ),
     Mutant(
         "lr-tensor-read-on-host",
@@ -369,7 +368,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/layers.py",
         "        if not _debug.is_debug():\n            return lr\n",
         "        if False:\n            return lr\n",
-        (f"{GP}::test_a_tensor_learning_rate_is_never_read_on_the_host",),
+        ("tests/test_step_cost.py::test_a_tensor_learning_rate_is_never_read_on_the_host",),
     ),
     Mutant(
         "cuda-graph-tag-missing",
@@ -377,7 +376,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_functions.py",
         "    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates), tags=_UNSAFE_FOR_CUDA_GRAPHS)\n",
         "    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates), tags=())\n",
-        (f"{GP}::test_cuda_graphs_never_capture_the_layers_host_decisions",),
+        ("tests/test_compile.py::test_cuda_graphs_never_capture_the_layers_host_decisions",),
     ),
     Mutant(
         "cuda-graph-mode-accepted",
@@ -385,7 +384,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_functions.py",
         "    if _UNSAFE_FOR_CUDA_GRAPHS:\n        return\n",
         "    if True:\n        return\n",
-        (f"{GP}::test_without_the_tag_reduce_overhead_is_refused",),
+        ("tests/test_compile.py::test_without_the_tag_reduce_overhead_is_refused",),
     ),
     # ------------------------------------------------------------------- plugin, config
     Mutant(
@@ -442,7 +441,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/config.py",
         "            for sf in fields(SECTIONS[f.name]):\n",
         '            for sf in [s for s in fields(SECTIONS[f.name]) if s.name != "r_max"]:\n',
-        ("tests/test_integrations.py::test_every_spec_field_is_reachable_from_every_front_end[cbn]",),
+        ("tests/test_config.py::test_every_spec_field_is_reachable_from_every_front_end[cbn]",),
     ),
     Mutant(
         "key-given-twice",

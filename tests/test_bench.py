@@ -65,8 +65,8 @@ def test_bench_layers_quick(layers_through_all):
     shape = result["shapes"][0]
     # saved for backward: the input and per-channel vectors, nothing of the input's size more
     assert shape["input_bytes"] <= shape["saved_for_backward_bytes"]["cbn"] < 1.1 * shape["input_bytes"]
-    # the op counts the README reports: within the budgets of tests/test_gpu_paths.py, no host sync
-    from tests.test_gpu_paths import BUDGET
+    # the op counts the README reports: within the budgets of tests/test_step_cost.py, no host sync
+    from tests.test_step_cost import BUDGET
 
     local = result["shapes"][0]["dispatched_ops_per_step"]
     assert local["batchnorm2d"] == {"ops": 7, "host_syncs": 0}
@@ -149,7 +149,7 @@ def _bench_module(name: str, monkeypatch):
 def step_gpu_smoke(tmp_path_factory) -> dict:
     """bench/step_gpu.py in its smoke sizes on the CPU, both modes, asked for compiled first;
     compiled with dynamo's ``eager`` backend (tracing only: inductor on 2 cores takes minutes;
-    tests/test_gpu_paths.py checks compiled layers against eager)."""
+    tests/test_compile.py checks compiled layers against eager)."""
     out = tmp_path_factory.mktemp("step_gpu") / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # bf16 on a shared 2-core CPU: threads only contend
     subprocess.run([sys.executable, str(REPO / "bench" / "step_gpu.py"), "--smoke", "--device", "cpu",

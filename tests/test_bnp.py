@@ -262,3 +262,71 @@ def test_ddp_two_ranks_equal_one_process(tmp_path):
     b0, b1 = run_distributed(_ddp_worker, 2, tmp_path)
     for name in b0:
         assert torch.equal(b0[name], b1[name]), name
+
+
+# ---------------------------------------------------------------- the paths GPU users take
+class _StandardizedConv(nn.Conv2d):
+    """A conv subclass with its own forward (weight standardization and 'same' padding,
+    like timm's StdConv2dSame)."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        pad = self.kernel_size[0] // 2
+        return nn.functional.conv2d(nn.functional.pad(x, (pad, pad, pad, pad)), w, self.bias, self.stride)
+
+
+def test_bnp_keeps_a_subclass_forward():
+    """Bug caught: BNP replaced the layer's forward with nn.Conv2d's, silently changing a
+    subclass's output (by 10.3 in the review)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_StandardizedConv(3, 4, 3, stride=2))
+    model = copy.deepcopy(plain)
+    distnorm.bnp.attach(model)
+    x = torch.randn(2, 3, 9, 9)
+    torch.testing.assert_close(model(x), plain(x))
+    assert type(model[0]).__name__ == "_StandardizedConv" and isinstance(model[0], _StandardizedConv)
+    y = model(x)
+    y.square().sum().backward()
+    # q² from the real output (5 x 5 here; nn.Conv2d's formula without padding gives 4 x 4)
+    assert y.shape[-1] == 5
+
+
+def test_bnp_refuses_layers_whose_forward_never_runs():
+    """Bug caught: nn.MultiheadAttention.out_proj was attached but never preconditioned."""
+    attention = nn.Sequential(nn.MultiheadAttention(8, 2))
+    with pytest.raises(ValueError, match=r"0\.out_proj"):
+        distnorm.bnp.attach(attention)
+
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return nn.functional.linear(self.used(x), self.unused.weight)  # weight without the forward
+
+    model = Skips()
+    distnorm.bnp.attach(model)
+    with pytest.raises(ValueError, match=r"\['unused'\]"):
+        model(torch.randn(8, 4))
+
+
+def test_bnp_q2_follows_the_output_size():
+    torch.manual_seed(0)
+    layer = nn.Sequential(_StandardizedConv(3, 4, 3, stride=2))
+    distnorm.bnp.attach(layer, decay=0.0, eps1=0.0, eps2=1.0)
+    x = torch.randn(2, 3, 9, 9)
+    layer(x).sum().backward()
+    conv = layer[0]
+    fan_in = 3 * 3 * 3
+    expected = max(fan_in / 2, math.sqrt(5 * 5))  # N = 2 samples, output 5 x 5
+    assert expected == 13.5
+    # bias gradient of a plain conv on the same input, transformed with q2 by hand
+    plain = _StandardizedConv(3, 4, 3, stride=2)
+    plain.load_state_dict({k: v for k, v in conv.state_dict().items() if not k.startswith("bnp_")})
+    plain(x).sum().backward()
+    mean = x.mean((0, 2, 3))
+    var_t = x.var((0, 2, 3), unbiased=False) + 1.0
+    gw = (plain.weight.grad - mean.view(1, 3, 1, 1) * plain.bias.grad.view(4, 1, 1, 1)) / (expected * var_t.view(1, 3, 1, 1))
+    torch.testing.assert_close(conv.weight.grad, gw, atol=1e-5, rtol=1e-5)

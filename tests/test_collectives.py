@@ -11,9 +11,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
+import distnorm
 from distnorm import _collectives
 from distnorm._collectives import all_reduce_sum, check_collective_device, collective_device, group_device
+from tests.distributed import run_distributed
+from tests.mixed import batch
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 
@@ -88,3 +92,49 @@ def test_nccl_group_uses_the_current_device_not_local_rank_and_refuses_before_an
         all_reduce_sum(torch.zeros(2, 4), group, slot="CBN 'bn'|backward|C=4|torch.float32")
     with pytest.raises(ValueError, match=r"CBN 'bn' \(forward\)"):  # a refusal is not cached as a pass
         check_collective_device(torch.zeros(2, 4), group, "CBN 'bn'|forward|C=4|torch.float32")
+
+
+# ---------------------------------------------------------------- the paths GPU users take
+def _own_communicator_worker(rank, world):
+    import torch.distributed as dist
+
+    def run(own: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                              nn.Linear(8 * 6 * 6, 3))
+        plugin = distnorm.DistNormPlugin(model, distnorm.DistNormConfig(norm="bn", own_communicator=own))
+        ddp = nn.parallel.DistributedDataParallel(model, **distnorm.ddp_kwargs())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        plugin.follow(opt)
+        groups = []
+        real = dist.all_reduce
+
+        def spy(tensor, *args, group=None, **kwargs):
+            groups.append(group)
+            return real(tensor, *args, group=group, **kwargs)
+
+        dist.all_reduce = spy
+        try:
+            for step in range(3):
+                opt.zero_grad()
+                ddp(batch(step, rank, world)).square().mean().backward()
+                opt.step()
+        finally:
+            dist.all_reduce = real
+        layers = [m for m in model.modules() if isinstance(m, distnorm.SyncBatchNorm)]
+        return model.state_dict(), groups, layers[0].process_group
+
+    plain, plain_groups, plain_group = run(False)
+    own, own_groups, own_group = run(True)
+    assert plain_group is None and own_group is distnorm.norm_group() and own_group is not dist.group.WORLD
+    assert len(own_groups) == 6 and all(g is own_group for g in own_groups)  # 3 steps x (fwd + bwd)
+    assert len(plain_groups) == 6 and all(g in (None, dist.group.WORLD) for g in plain_groups)
+    for name in plain:
+        assert torch.equal(plain[name], own[name]), name  # same training, other communicator
+
+
+@pytest.mark.world_size(2)
+def test_own_communicator_carries_the_layers_collectives(tmp_path):
+    """What breaks it: the config flag not reaching the layers (they would keep sharing the
+    default communicator, and DDP's buckets, with no visible difference in results)."""
+    run_distributed(_own_communicator_worker, 2, tmp_path)

@@ -185,7 +185,7 @@ def test_empty_rank_on_one_device(tmp_path, device, splits):
 @needs_triton
 def test_cuda_compile_equals_eager():
     """torch.compile (inductor, fullgraph) of every layer kind and BNP equals eager on CUDA."""
-    from tests.test_gpu_paths import _check_compile, _compile_run
+    from tests.test_compile import _check_compile, _compile_run
 
     _check_compile(_compile_run(device="cuda"))
 
@@ -194,7 +194,7 @@ def test_cuda_compile_equals_eager():
 @needs_gpu
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_cuda_checkpointing_updates_buffers_once(use_reentrant):
-    from tests.test_gpu_paths import _checkpoint_run
+    from tests.test_checkpointing import _checkpoint_run
 
     _checkpoint_run(use_reentrant, device="cuda")  # equal to the plain run, buffers updated once
 

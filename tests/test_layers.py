@@ -405,3 +405,58 @@ def test_public_names_and_state_dict():
     cbn.eval(), copy_.eval()
     x = torch.randn(3, 4)
     torch.testing.assert_close(cbn(x), copy_(x))
+
+
+# ---------------------------------------------------------------- the paths GPU users take
+def test_eval_stats_auto_switches_to_amat_once_it_averages_enough():
+    """Bug caught: with eval_stats='amat' and lr >= 0.1 (eta = 0) evaluation used the last
+    training batch alone."""
+    torch.manual_seed(0)
+    layer = distnorm.CBN(3)
+    assert layer.eval_stats == "auto"
+    batches = [torch.randn(16, 3) * (1 + i) + i for i in range(4)]
+    for lr in (0.2, 0.2, 0.2):
+        distnorm.set_lr(layer, lr)
+        for x in batches:
+            layer(x)
+    layer.eval()
+    x = torch.randn(5, 3)
+    running = copy.deepcopy(layer)
+    running.eval_stats = "running"
+    amat = copy.deepcopy(layer)
+    amat.eval_stats = "amat"
+    assert torch.equal(layer(x), running(x))  # eta = 0: the running statistics
+    assert not torch.allclose(layer(x), amat(x))
+    layer.train()
+    distnorm.set_lr(layer, 0.01)  # eta = 0.9 = 1 - momentum: AMAT averages as much history
+    layer(batches[0])
+    layer.eval()
+    for other in (running, amat):
+        other.load_state_dict(layer.state_dict())
+    assert torch.equal(layer(x), amat(x))
+    reloaded = distnorm.CBN(3)
+    reloaded.load_state_dict(layer.state_dict())  # the choice travels with the state dict
+    reloaded.eval()
+    assert torch.equal(reloaded(x), layer(x))
+
+
+@pytest.mark.parametrize("make", [lambda: distnorm.CBN(8), lambda: distnorm.SyncBatchNorm(8)])
+def test_bf16_input_gradient_scale_stays_float32(make):
+    """Bug caught: the per-channel factor of g in dx was rounded to bf16 — a systematic
+    per-channel error up to 0.16 %."""
+    torch.manual_seed(0)
+    layer = make()
+    with torch.no_grad():  # scales whose bf16 rounding error is large
+        layer.weight.copy_(1.0 + torch.arange(8) * 0.00390625 + 0.0019)
+    distnorm.set_lr(layer, 0.2)
+    x = torch.randn(64, 8, 16, 16).bfloat16()
+    g = torch.randn_like(x, dtype=torch.float32).bfloat16()
+    ref = copy.deepcopy(layer)
+    xa, xb = x.clone().requires_grad_(), x.float().requires_grad_()
+    layer(xa).backward(g)
+    ref(xb).backward(g.float())
+    # Per-channel least-squares scale of the bf16 gradient against the float32 one: random
+    # rounding averages out over 16k values per channel, a rounded factor does not.
+    dims = (0, 2, 3)
+    scale = (xa.grad.float() * xb.grad).sum(dims) / (xb.grad * xb.grad).sum(dims)
+    assert (scale - 1).abs().max() < 2e-4, scale
