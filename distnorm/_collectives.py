@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from distnorm import _debug, _frames
+from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm.errors import (
     CollectiveFailedError,
     CollectiveMismatchError,
@@ -366,20 +367,24 @@ def local_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and biased variance of a non-empty ``(N, C, *)`` tensor, in the
     accumulation dtype.
 
-    ATen's single-pass batch-norm statistics kernel (Welford, any memory format, CPU and
-    CUDA). Kernel contract: the CUDA kernel returns accumulation-dtype statistics for any
+    ATen's batch-norm statistics kernel (any memory format, CPU and CUDA); on the CPU its
+    twin ``distnorm::batch_norm_update_stats`` (same schema and arithmetic, faster for
+    contiguous float32: :mod:`distnorm._cpu_kernels`) unless ``DISTNORM_CPU_KERNEL=0``.
+    Kernel contract: the CUDA kernel returns accumulation-dtype statistics for any
     input; the CPU kernel does so for fp16/bf16 inputs only when given float32 "running"
     buffers, which select its mixed-precision path. Both devices therefore get float32
     scratch buffers (momentum 0: their values are never read back) for fp16/bf16 inputs,
     and none for float32/float64, where both return the input dtype already.
     """
     acc = accumulate_dtype(x)
+    on_cpu = x.device.type == "cpu" and cpu_kernel_enabled()
+    stats = torch.ops.distnorm.batch_norm_update_stats if on_cpu else torch.ops.aten.batch_norm_update_stats
     if x.dtype == acc:
-        mean, var = torch.ops.aten.batch_norm_update_stats(x, None, None, 0.0)
+        mean, var = stats(x, None, None, 0.0)
     else:
         channels = x.shape[1]
         scratch = _scratch(channels, x.device)
-        mean, var = torch.ops.aten.batch_norm_update_stats(x, scratch[0], scratch[1], 0.0)
+        mean, var = stats(x, scratch[0], scratch[1], 0.0)
     return mean, var
 
 

@@ -8,7 +8,9 @@ issues exactly one collective in the forward and one in the backward, saves only
 plus per-channel vectors, and never reads a tensor on the host:
 
 statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
-    1. :func:`distnorm._collectives.global_moments`: local Welford moments, ONE all-reduce
+    1. :func:`distnorm._collectives.global_moments`: local moments (ATen's statistics
+       kernel; on the CPU ``distnorm::batch_norm_update_stats``, the same arithmetic in
+       fewer cycles: :mod:`distnorm._cpu_kernels`), ONE all-reduce
        (at a group's first step its counts also carry the ranks' vote on the per-channel
        operators' kernels, so every rank runs the same ones: :mod:`distnorm._fused`).
     2. Per-channel algebra in the accumulation dtype (float32, float64 for float64 input):
@@ -62,6 +64,8 @@ Operators. Every operator of distnorm is declared here, through one
   re-deriving it. Inside, the operators run the eager code at run time, so host-side
   decisions (synchronize or not, skip the masked path) are made per call, never baked
   into a graph.
+* ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
+  the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
 * ``distnorm::cbn_plan``, ``cbn_param_grads``, ``shift_slope``: the per-channel steps, one
   operator each in every mode (kernels: :mod:`distnorm._fused`), so a GPU launches one
   kernel where ATen would launch some thirty.
@@ -122,6 +126,7 @@ from torch.autograd.function import once_differentiable
 from distnorm import _bnp_functions, _collectives, _frames, _fused
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt, cpu_kernel_enabled
+from distnorm._cpu_kernels import batch_norm_update_stats as _cpu_update_stats
 from distnorm._fused import grad_coef_of, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
@@ -731,6 +736,19 @@ _LIB.define("batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mea
             "Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor")
 _LIB.impl("batch_norm_backward_elemt", _cpu_backward_elemt, "CPU")
 torch.library.register_fake("distnorm::batch_norm_backward_elemt", _batch_norm_backward_elemt_fake, lib=_LIB)
+
+
+# The forward's statistics on the CPU (kernel: distnorm._cpu_kernels; ATen's arithmetic in fewer
+# cycles), with the schema of ATen's batch_norm_update_stats, which every other device calls.
+def _batch_norm_update_stats_fake(x: Tensor, running_mean: Optional[Tensor], *_: Any) -> tuple[Tensor, Tensor]:
+    acc = running_mean.dtype if running_mean is not None else x.dtype
+    return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
+
+
+_LIB.define("batch_norm_update_stats(Tensor input, Tensor? running_mean, Tensor? running_var, float momentum) "
+            "-> (Tensor, Tensor)")
+_LIB.impl("batch_norm_update_stats", _cpu_update_stats, "CPU")
+torch.library.register_fake("distnorm::batch_norm_update_stats", _batch_norm_update_stats_fake, lib=_LIB)
 
 
 # A layer's statistics step and backward, run by the compiled graphs.

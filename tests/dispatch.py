@@ -54,6 +54,9 @@ def _cpu_twin() -> Any:
 
 _CPU_TWIN = _cpu_twin()
 _BACKWARD_ELEMT = {aten.batch_norm_backward_elemt.default, _CPU_TWIN}
+#: The forward's statistics: ATen's, and on the CPU distnorm's operator of the same schema
+#: (distnorm._cpu_kernels), which receives exactly the arguments the CUDA path gives ATen's.
+_UPDATE_STATS = {aten.batch_norm_update_stats.default, torch.ops.distnorm.batch_norm_update_stats.default}
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -81,7 +84,9 @@ class CudaContractChecker(TorchDispatchMode):
       ``input_.reshape({input_.size(0), input_.size(1), -1})``, which raises for N = 0
       ("cannot reshape tensor of 0 elements"). The CPU kernels return early, so every CPU
       test passes: only ``torch.batch_norm`` (``at::batch_norm``: ``if (input.sym_numel()
-      == 0)``) guards it on both devices.
+      == 0)``) guards it on both devices. The CPU's ``distnorm::batch_norm_update_stats``
+      (ATen's schema and arithmetic) is checked as ``batch_norm_update_stats``: the CUDA path
+      gives ATen's the same arguments.
     * **per-channel arguments** 1-D, contiguous, of length C and of the accumulation dtype
       (``batch_norm_elementwise``'s channels-last branch needs contiguous ones; the
       mixed-precision dispatch ``is_mixed_type`` takes the dtype of the first defined one).
@@ -205,7 +210,7 @@ class CudaContractChecker(TorchDispatchMode):
                 self._fail(func, "grad_out and input shapes differ")
             if grad_out.dtype != x.dtype:
                 self._fail(func, f"grad_out dtype {grad_out.dtype} differs from the input's {x.dtype}")
-        elif func is aten.batch_norm_update_stats.default:
+        elif func in _UPDATE_STATS:
             self.calls[str(func)] += 1
             x, rmean, rvar, _ = args
             self._input(func, x)
@@ -215,7 +220,7 @@ class CudaContractChecker(TorchDispatchMode):
         if len(self.violations) > before:
             raise ContractViolation(f"CUDA would reject {func}: " + "; ".join(r for _, r in self.violations[before:]))
         out = func(*args, **kwargs)
-        if func is aten.batch_norm_update_stats.default and out[0].dtype != _acc(args[0].dtype):
+        if func in _UPDATE_STATS and out[0].dtype != _acc(args[0].dtype):
             self._fail(func, f"statistics came back as {out[0].dtype}")
         return out
 

@@ -299,6 +299,33 @@ def test_cpu_backward_elemt_is_the_cuda_kernel(dtype):
         assert got.stride() == g.stride(), layout
 
 
+def test_cpu_statistics_are_atens():
+    """``distnorm::batch_norm_update_stats`` (the CPU statistics, :mod:`distnorm._cpu_kernels`)
+    returns ATen's ``batch_norm_update_stats`` bit for bit: contiguous float32 through the C
+    kernel (rows shorter than, equal to and longer than its 32 partial sums, a tail, large
+    means), every other call through ATen's own; with 1 and 2 threads. Bugs
+    caught: a lane's tail dropped or added twice, the mean not rounded to float before the
+    squares, the variance divided in double."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    cases = [((4, C, 5, 5), torch.float32, None), ((3, C, 7), torch.float32, None), ((2, C, 8, 8), torch.float32, None),
+             ((2, C, 5, 13), torch.float32, None), ((9, C), torch.float32, None),
+             ((2, C, 3, 5), torch.float32, torch.channels_last), ((2, C, 3, 5), torch.float64, None),
+             ((2, C, 3, 5), torch.bfloat16, None)]
+    try:
+        for shape, dtype, fmt in cases:
+            x = (torch.randn(*shape, generator=gen) * 3 + 100).to(dtype)
+            x = x.to(memory_format=fmt) if fmt is not None else x
+            scratch = (torch.zeros(C), torch.ones(C)) if dtype == torch.bfloat16 else (None, None)
+            for n in (1, 2):  # ATen's own channels-last statistics depend on the thread count
+                torch.set_num_threads(n)
+                want = torch.ops.aten.batch_norm_update_stats(x, *scratch, 0.0)
+                got = torch.ops.distnorm.batch_norm_update_stats(x, *scratch, 0.0)
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (shape, dtype, fmt, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _layer_grads(kind: str, dtype: torch.dtype, channels_last: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     layer = {"cbn": lambda: distnorm.CBN(6, rho=1.5), "popnorm": lambda: distnorm.POPNorm(6),
@@ -331,6 +358,7 @@ def test_the_one_pass_gradient_equals_atens_two_passes(kind, monkeypatch):
                 torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
 
 
+@pytest.mark.processes  # runs the compiler
 def test_a_cpu_kernel_that_cannot_be_built_is_an_error(monkeypatch, tmp_path):
     """No C compiler, or one that fails: an error that names the fix, on every rank alike (the
     same configuration), never a quiet fallback to ATen's two passes on some ranks."""
