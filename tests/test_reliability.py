@@ -136,7 +136,7 @@ def test_mismatch_is_detected_before_the_first_training_collective(tmp_path, dig
     def args(rank):
         extra = []
         if rank == 1:
-            extra = ["distnorm.rho=2.0"] if what == "config" else [f"data.train_index={other_index}"]
+            extra = ["distnorm.cbn.rho=2.0"] if what == "config" else [f"data.train_index={other_index}"]
         return _overrides(digits, run, *extra)
 
     started = time.time()
