@@ -125,8 +125,8 @@ MUTANTS: list[Mutant] = [
         "cbn-backward-count",
         "CBN matches the float64 reference, 2 ranks equal 1 process (a wrong count in the backward)",
         "distnorm/_fused.py",
-        "    return torch.div(a, count).neg_()\n",
-        "    return torch.div(a, count - 1.0).neg_()\n",
+        "    return torch.stack([r_mu, q, w, to_dtype(count, q.dtype)]).view(2, 2, -1)\n",
+        "    return torch.stack([r_mu, q, w, to_dtype(count, q.dtype) - 1.0]).view(2, 2, -1)\n",
         (f"{LD}::test_two_ranks_equal_one_process[NC-cbn]",),
     ),
     Mutant(
@@ -1003,8 +1003,8 @@ MUTANTS: list[Mutant] = [
         "loaded-bnp-state-unregistered",
         "converted models save whole: torch.save / pickle / deepcopy, every norm, BNP off and on",
         "distnorm/bnp.py",
-        "    if bnp_state is not None:\n        _functions.register(bnp_state)\n",
-        "    if bnp_state is None:\n        _functions.register(bnp_state)\n",
+        "    if bnp_state is not None:\n        _functions.register(bnp_state, channels=module.bnp_mean.numel())",
+        "    if bnp_state is None:\n        _functions.register(bnp_state, channels=module.bnp_mean.numel())",
         ("tests/test_convert.py::test_converted_models_save_pickle_and_deepcopy_whole[zoo:resnet20]",),
     ),
     # ----------------------------------------------- issue 39 (2): one object per engine
