@@ -1,11 +1,11 @@
 """Reading tar shards: WebDataset's ``tarfile_to_samples``, with a faster member reader.
 
-WebDataset reads shards with Python's ``tarfile`` in streaming mode (``"r|*"``): about
-140 µs per sample of two members on the development machine, 3 % of a training pass's time
-per image. The shards ``distnorm-shards`` writes are plain ustar (regular members, integer
-fields, no PAX or GNU extension headers), which :func:`tar_members` reads from the same
-stream at about 20 µs per sample: one 512-byte header read, its checksum, name and size,
-then the data. At the first block that is anything else — a compressed stream, a PAX or GNU
+WebDataset reads shards with Python's ``tarfile`` in streaming mode (``"r|*"``), whose
+per-member Python work is a visible share of a training pass's time per image (figures:
+``docs/reference/benchmarks.md``). The shards ``distnorm-shards`` writes are plain ustar
+(regular members, integer fields, no PAX or GNU extension headers), which
+:func:`tar_members` reads from the same stream with less work per member: one 512-byte
+header read, its checksum, name and size, then the data. At the first block that is anything else — a compressed stream, a PAX or GNU
 extension header, a pre-POSIX header — it hands the rest of the stream, that block
 included, to WebDataset's ``tarfile`` reader, so every shard reads as before; only where the
 two differ on a broken shard is this stricter: a shard that ends inside a header raises
