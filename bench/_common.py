@@ -64,6 +64,23 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, device
                         warmup: int = 2) -> dict[str, float]:
     """Median seconds per call of each function, timed round-robin so that machine noise
     (other tenants, frequency changes) hits every variant alike."""
+    return {name: statistics.median(ts) for name, ts in interleaved_times(fns, repeats, device, warmup).items()}
+
+
+def ratio_spread(times: dict[str, list[float]], base: str) -> dict[str, list[float]]:
+    """Each variant's per-round ratio to ``base`` (the same round of an interleaved run) as
+    ``[25th percentile, median, 75th percentile]``: how far the load moved the ratio."""
+    def quartiles(values: list[float]) -> list[float]:
+        q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+        return [round(v, 4) for v in q]
+
+    return {name: quartiles([t / b for t, b in zip(ts, times[base])]) for name, ts in times.items() if name != base}
+
+
+def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, device: torch.device,
+                      warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of every call of each function, timed round-robin (round ``i`` of each list
+    ran together)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -75,7 +92,7 @@ def interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int, device
             fn()
             synchronize(device)
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 
 import torch
 from torch import nn
 
-from _common import interleaved_medians, machine, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
+from _common import interleaved_times, machine, ratio_spread, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
 
 import distnorm
 
@@ -69,13 +70,15 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     steps = {"plain": Step(copy.deepcopy(model), False, x, y), "bnp": Step(copy.deepcopy(model), True, x, y)}
-    medians = interleaved_medians(steps, repeats, device, warmup=1)
+    times = interleaved_times(steps, repeats, device, warmup=1)
+    medians = {k: statistics.median(v) for k, v in times.items()}
     mem = {variant: training_memory_bytes(step.model, step.opt, lambda s=step: s.loss(s.model(s.x), s.y), device)
            for variant, step in steps.items()}
     return {
         "input": [batch, 3, size, size],
         "median_step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
         "step_bnp_vs_plain": round(medians["bnp"] / medians["plain"], 4),
+        "step_bnp_vs_plain_per_round_quartiles": ratio_spread(times, "plain")["bnp"],
         "memory_bytes": mem,
         "memory_method": "cuda peak allocated" if device.type == "cuda" else "params+buffers+grads+optimizer state+saved for backward",
         "mem_bnp_vs_plain": round(mem["bnp"] / mem["plain"], 4),

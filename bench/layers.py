@@ -1,6 +1,6 @@
 """Forward+backward cost of distnorm's layers against torch.nn.BatchNorm2d, same run.
 
-    python bench/layers.py --json bench/results/layers.json [--quick] [--device cuda]
+    python bench/layers.py --json bench/results/layers.json [--quick] [--device cuda] [--threads N]
 
 Measures, for each input shape, the median time of one training forward+backward of
 ``CBN`` (AMAT with history, eta = 0.9), ``POPNorm``, ``SyncBatchNorm`` (one process) and a
@@ -16,12 +16,15 @@ enforces. Shapes: ResNet's first stage and a late one, and the first again in ch
 
 Reported ratios (time of the layer / time of BatchNorm2d; lower is better) use the first
 (largest) shape; ``naive_vs_cbn`` is how many times faster CBN is than the naive version.
+``ratio_per_round_quartiles``: the quartiles of each round's ratio (the layers of one round
+ran back to back), how far a loaded machine moved the medians' ratio.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import statistics
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from _common import interleaved_medians, machine, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
+from _common import interleaved_times, machine, ratio_spread, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
 
 import distnorm
 from tests.dispatch import CollectiveCounter, OpCounter
@@ -107,13 +110,15 @@ def time_layers(shape, device, repeats) -> dict:
             layer(x).backward(grad)
         return run
 
-    medians = interleaved_medians({name: step(layer) for name, layer in layers.items()}, repeats, device)
+    times = interleaved_times({name: step(layer) for name, layer in layers.items()}, repeats, device)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
     base = medians["batchnorm2d"]
     return {
         "shape": list(shape),
         "memory_format": layout,
         "median_ms": {k: round(v * 1e3, 4) for k, v in medians.items()},
         "ratio_vs_batchnorm2d": {k: round(v / base, 4) for k, v in medians.items()},
+        "ratio_per_round_quartiles": ratio_spread(times, "batchnorm2d"),
         "naive_vs_cbn": round(medians["naive_cbn"] / medians["cbn"], 3),
         "saved_for_backward_bytes": {name: saved_bytes(layer, x) for name, layer in layers.items()},
         "dispatched_ops_per_step": {name: dispatched_ops(layer, x, grad) for name, layer in layers.items()
@@ -168,7 +173,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny shape, few repeats (for tests)")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     repeats = args.repeats or (3 if args.quick else 15)
@@ -195,6 +203,7 @@ def main(argv=None) -> dict:
     for entry in per_shape:
         print(f"shape {tuple(entry['shape'])} {entry['memory_format']}: median fwd+bwd ms {entry['median_ms']}")
         print(f"  ratio vs BatchNorm2d {entry['ratio_vs_batchnorm2d']}; CBN is {entry['naive_vs_cbn']}x faster than naive")
+        print(f"  per-round ratio quartiles {entry['ratio_per_round_quartiles']}")
         print(f"  saved for backward (input {entry['input_bytes']} B): {entry['saved_for_backward_bytes']}")
         print(f"  dispatched ATen ops, activation passes per step: {entry['dispatched_ops_per_step']}")
     print(f"collectives per layer per step, 2 ranks: {payload['collectives_2_ranks']['per_layer_per_step']}")

@@ -133,6 +133,10 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
                     torch.cuda.synchronize(device)
                 times[variant].append(time.perf_counter() - start)
         medians = {v: statistics.median(t) for v, t in times.items()}
+        # per-round ratios to the peer (same round, interleaved): how far the load moved them
+        spread = {v: [round(q, 4) for q in statistics.quantiles(
+            [a / b for a, b in zip(times[v], times["naive_syncbn"])], n=4, method="inclusive")]
+            for v in ("cbn", "syncbn")} if repeats > 1 else {}
         floor = {v: medians["local_bn"] + counts[v]["collectives"] * latency_ms / 1e3 for v in SYNCED}
         results[name] = {
             "collective_floor_ms": {v: round(f * 1e3, 3) for v, f in floor.items()},
@@ -140,6 +144,7 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
             "input_per_rank": [batch, 3, side, side],
             "median_step_ms": {v: round(t * 1e3, 3) for v, t in medians.items()},
             "ratio_vs_local_bn": {v: round(t / medians["local_bn"], 4) for v, t in medians.items()},
+            "ratio_vs_naive_syncbn_per_round_quartiles": spread,
             "distnorm_collectives_per_step": counts,
             "memory_bytes": mem,
             "memory_ratio_vs_local_bn": {v: round(m / mem["local_bn"], 4) for v, m in mem.items()},

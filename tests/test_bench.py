@@ -70,7 +70,8 @@ def test_bench_layers_quick(layers_through_all):
     from tests.test_step_cost import BUDGET
 
     local = result["shapes"][0]["dispatched_ops_per_step"]
-    assert local["batchnorm2d"] == {"ops": 7, "host_syncs": 0}
+    assert local["batchnorm2d"] == {"ops": 7, "activation_passes": 5.0, "host_syncs": 0}
+    assert local["cbn"]["activation_passes"] == 8.0  # the floor of a synchronized layer (tests/test_step_cost.py)
     assert local["cbn"]["ops"] <= BUDGET["cbn", "history"][0] and local["syncbn"]["ops"] <= BUDGET["syncbn", "no_history"][0]
     assert counts["cbn"]["dispatched_ops"]["ops"] <= BUDGET["cbn", "history"][1]
     assert all(c["dispatched_ops"]["host_syncs"] == 0 for c in counts.values())
