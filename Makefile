@@ -46,8 +46,10 @@ test: docs system-deps
 # contracts, op counts, docstring and page examples). A test that starts a process -- ranks,
 # launchers, CLI runs, DataLoader workers, benchmark scripts -- is marked `processes` or
 # `world_size(n)` and left to `make test`; under DISTNORM_TEST_TIER=check one that starts a
-# process without the marker fails, naming it (conftest.py). Not what CI runs.
+# process without the marker fails, naming it (conftest.py). The CPU kernels (a C compiler
+# run, once per machine) are built before. Not what CI runs.
 check: docs
+	$(PY) -c "from distnorm import _cpu_kernels; _cpu_kernels.library()"  # built here: the tier refuses a compiler process
 	DISTNORM_TEST_TIER=check $(PY) -m pytest -q -m "not processes and not world_size and not cluster" \
 		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
 		--doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
