@@ -23,8 +23,8 @@ computes the same bits whatever its vector width.
 
 The statistics. ATen's CPU ``batch_norm_update_stats`` computes a contiguous float32 input's
 per-channel mean and variance as one running double sum per channel, a chain of dependent
-additions that takes about four times as long as reading the input (8 ms of a 16 ms CBN step
-at (32, 64, 56, 56) on one core; ``nn.BatchNorm2d``'s training forward runs the same loop).
+additions that takes several times as long as reading the input (``nn.BatchNorm2d``'s
+training forward runs the same loop; the profile: ``docs/reference/benchmarks.md``).
 ``stats_f32`` computes the same quantities in the same precisions (sum of ``x`` in double,
 ``mean`` rounded to float, the float ``(x - mean)^2`` summed in double) with 32 partial sums
 per channel folded in a fixed order, and is declared as ``distnorm::batch_norm_update_stats``
