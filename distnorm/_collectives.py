@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from distnorm import _debug, _frames
+from distnorm._release import released
 from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm.errors import (
     CollectiveFailedError,
@@ -221,7 +222,9 @@ def _slot_names(slot: str) -> tuple[str, str]:
     return layer or "distnorm", rest.split("|")[0] if rest else "collective"
 
 
-_NORM_GROUPS: dict[tuple[int, ...], ProcessGroup] = {}
+# Held weakly: torch's registry keeps each group until destroy_process_group, and a group kept
+# past it keeps its backend's threads running into interpreter shutdown (distnorm._release).
+_NORM_GROUPS: "weakref.WeakValueDictionary[tuple[int, ...], ProcessGroup]" = weakref.WeakValueDictionary()
 
 
 def norm_group(process_group: ProcessGroup | None = None) -> ProcessGroup | None:
@@ -239,9 +242,10 @@ def norm_group(process_group: ProcessGroup | None = None) -> ProcessGroup | None
     if not is_distributed():
         return None
     ranks = tuple(group_ranks(process_group))
-    if ranks not in _NORM_GROUPS:
-        _NORM_GROUPS[ranks] = dist.new_group(list(ranks))
-    return _NORM_GROUPS[ranks]
+    group = _NORM_GROUPS.get(ranks)
+    if group is None:
+        group = _NORM_GROUPS[ranks] = dist.new_group(list(ranks))
+    return group
 
 
 def accumulate_dtype(x: torch.Tensor) -> torch.dtype:
@@ -272,7 +276,8 @@ def all_agree(values: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     ``[v, ~v]`` of fixed size: all ranks agree iff both maxima come back unchanged (the
     maximum of ``~v`` is ``~min(v)``). Returns a bool tensor, identical on every rank."""
     probe = torch.cat([values, torch.bitwise_not(values)])
-    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+    with released(probe):
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
     k = values.numel()
     return (probe[:k] == values) & (probe[k:] == torch.bitwise_not(values))
 
@@ -285,7 +290,8 @@ def gather_tensors(tensor: torch.Tensor, group: ProcessGroup) -> list[torch.Tens
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     out = [torch.empty_like(flat) for _ in range(group_size(group))]
-    dist.all_gather(out, flat, group=group)
+    with released(flat, *out):
+        dist.all_gather(out, flat, group=group)
     return [o.to(tensor.dtype).reshape(tensor.shape).cpu() for o in out]
 
 
@@ -295,7 +301,8 @@ def gather_texts(text: str, group: ProcessGroup, limit: int = 4096) -> list[str]
     device = group_device(group)
     data = text.encode()[:limit]
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+    with released(length):
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
     size = int(length.item())
     buf = torch.zeros(size + 8, dtype=torch.uint8)
     buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
@@ -493,10 +500,12 @@ def broadcast_from_first(tensors: list[torch.Tensor], group: ProcessGroup | None
     device = group_device(group)
     for t in tensors:
         if t.device == device:
-            dist.broadcast(t, src=src, group=group)
+            with released(t):
+                dist.broadcast(t, src=src, group=group)
         else:
             staged = t.detach().to(device)
-            dist.broadcast(staged, src=src, group=group)
+            with released(staged):
+                dist.broadcast(staged, src=src, group=group)
             t.copy_(staged)
 
 

@@ -42,6 +42,7 @@ from typing import Callable, Iterable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from distnorm._release import released
 from distnorm.errors import CollectiveMismatchError
 
 __all__ = ["add_name_source", "check_pending", "compare_at_once", "frame_length", "reduce", "reserve", "slot_hash"]
@@ -183,7 +184,8 @@ def reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, shape: t
     frame = _frame(tensor, slot, size)
     frame.payload.copy_(tensor)
     frame.header.copy_(header.mine)
-    dist.all_reduce(frame.whole, op=dist.ReduceOp.SUM, group=group)
+    with released(frame.whole):  # gloo's worker lets go of the frame before we go on
+        dist.all_reduce(frame.whole, op=dist.ReduceOp.SUM, group=group)
     tensor.copy_(frame.payload)
     if compare_at_once(tensor.device):
         if not torch.equal(frame.header, header.expected):

@@ -74,8 +74,9 @@ import importlib
 import importlib.util
 import os
 import warnings
+import weakref
 from types import ModuleType
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -388,9 +389,19 @@ def _local_verdict(device: torch.device) -> tuple[int, str]:
     return _verdict(_mode(), device)
 
 
-#: What each group agreed, per device type (a group keeps its answer for its lifetime; the
-#: group object is held, so a later group cannot reuse its id).
-_AGREED: dict[tuple[Any, str], TritonState] = {}
+#: What each group agreed, per device type: a group keeps its answer for its lifetime. Held
+#: weakly: a later group cannot find an earlier one's answer, and a group the program dropped
+#: is not kept alive, so ``destroy_process_group`` destroys it and gloo joins its worker
+#: threads there, not at interpreter shutdown (:mod:`distnorm._release` says why that matters).
+_AGREED: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, TritonState]]" = weakref.WeakKeyDictionary()
+
+
+def _agreed(group: ProcessGroup, device_type: str) -> TritonState | None:
+    return _AGREED.get(group, {}).get(device_type)
+
+
+def _agree(group: ProcessGroup, device_type: str, state: TritonState) -> None:
+    _AGREED.setdefault(group, {})[device_type] = state
 
 
 def _failure(reason: str) -> RuntimeError:
@@ -410,7 +421,7 @@ def triton_vote(group: ProcessGroup | None, device: torch.device, channels: int)
     channels (the vote rides on the counts, :func:`distnorm._collectives.global_moments`).
     Every rank of a group gets ``None`` or a tensor at the same call — what decides it is the
     same on every rank."""
-    if group is None or channels <= 3 or (group, device.type) in _AGREED:
+    if group is None or channels <= 3 or _agreed(group, device.type) is not None:
         return None
     verdict = _local_verdict(device)[0]
     return torch.tensor([verdict == _OK, verdict == _FAILED, not cpu_kernel_enabled()],
@@ -434,7 +445,7 @@ def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Opt
             raise _failure(reason)
         return verdict == _OK
     if votes is None:
-        agreed = _AGREED.get((group, device.type))
+        agreed = _agreed(group, device.type)
         return agreed is not None and agreed.used
     ok, failed, cpu_kernel_off = (int(v) for v in votes.tolist())  # once per group and device type
     size = _collectives.group_size(group)
@@ -444,11 +455,11 @@ def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Opt
         raise RuntimeError(f"distnorm: DISTNORM_CPU_KERNEL=0 on {cpu_kernel_off} of the {size} ranks of the group; every "
                            f"rank must run the same backward arithmetic, so set it on every rank or on none:\n{listing}")
     if ok == size:
-        _AGREED[(group, device.type)] = TritonState(True, "")
+        _agree(group, device.type, TritonState(True, ""))
         return True
     verdict, reason = _local_verdict(device)
     if failed == 0 and ok == 0:  # nobody wanted Triton: nothing to report beyond this rank's reason
-        _AGREED[(group, device.type)] = TritonState(False, reason)
+        _agree(group, device.type, TritonState(False, reason))
         return False
     # Some ranks differ: every rank knows it from the same sums, so every rank gathers who
     # (one more collective, this step only) and raises or warns alike.
@@ -458,7 +469,7 @@ def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Opt
         raise _failure(f"Triton failed on {failed} of the {size} ranks of the group:\n{listing}\n")
     why = (f"the composite on all {size} ranks of the group: {size - ok} do not run Triton and every rank "
            f"must compute alike:\n{listing}")
-    _AGREED[(group, device.type)] = TritonState(False, why)
+    _agree(group, device.type, TritonState(False, why))
     if verdict == _OK:
         warnings.warn(f"distnorm: the fused operators run {why}", RuntimeWarning, stacklevel=3)
     return False
@@ -484,7 +495,7 @@ def triton_state(process_group: ProcessGroup | None = None, device: torch.device
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     group = _collectives.sync_group(process_group)
-    agreed = _AGREED.get((group, device.type)) if group is not None else None
+    agreed = _agreed(group, device.type) if group is not None else None
     if agreed is not None:
         return agreed
     verdict, reason = _local_verdict(device)

@@ -1097,6 +1097,24 @@ MUTANTS: list[Mutant] = [
         "    return torch.tensor([verdict == _OK, verdict == _FAILED, False],\n",
         ("tests/test_fused.py::test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank",),
     ),
+    # ------------------------------------------------------------------------ exit
+    Mutant(
+        "collective-returns-before-gloo-lets-go",
+        "a distnorm script exits cleanly after destroy_process_group: a CPU collective returns after gloo let go of its tensors",
+        "distnorm/_release.py",
+        "        while sys.getrefcount(cpu[i]) > before[i]:\n",
+        "        while False:\n",
+        ("tests/test_exit.py::test_released_waits_for_the_last_other_holder_and_no_longer",
+         "tests/test_exit.py::test_a_cpu_collective_returns_after_gloo_let_go_of_its_tensors"),
+    ),
+    Mutant(
+        "kernel-vote-holds-its-groups",
+        "a distnorm script exits cleanly after destroy_process_group: no distnorm cache keeps a destroyed group alive",
+        "distnorm/_fused.py",
+        '_AGREED: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, TritonState]]" = weakref.WeakKeyDictionary()\n',
+        '_AGREED: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, TritonState]]" = {}\n',
+        ("tests/test_exit.py::test_no_distnorm_cache_keeps_a_destroyed_group_alive",),
+    ),
 ]
 
 
