@@ -64,7 +64,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["SOURCE", "batch_norm_backward_elemt", "batch_norm_update_stats", "cpu_kernel_enabled", "library"]
+__all__ = ["SOURCE", "batch_norm_backward_elemt", "batch_norm_update_stats", "cpu_kernel_enabled", "library",
+           "memory_format"]
 
 SOURCE = r"""
 #include <stdint.h>
@@ -245,7 +246,7 @@ def batch_norm_backward_elemt(grad_out: Tensor, x: Tensor, mean: Tensor, invstd:
     ``count`` an int32 tensor whose sum is ``n``). Inputs of other layouts are made dense
     first, in the gradient's memory format."""
     if _dense_inner(x) is None or x.stride() != grad_out.stride():
-        layout = _memory_format(grad_out)
+        layout = memory_format(grad_out)
         x, grad_out = x.contiguous(memory_format=layout), grad_out.contiguous(memory_format=layout)
     inner = _dense_inner(x)
     assert inner is not None and x.stride() == grad_out.stride(), (x.stride(), grad_out.stride())
@@ -286,7 +287,8 @@ def batch_norm_update_stats(x: Tensor, running_mean: Tensor | None, running_var:
     return mean, var
 
 
-def _memory_format(t: Tensor) -> torch.memory_format:
+def memory_format(t: Tensor) -> torch.memory_format:
+    """``t``'s layout: channels_last(_3d) for a tensor laid out so and not also contiguous."""
     if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
         return torch.channels_last
     if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():

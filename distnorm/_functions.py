@@ -127,6 +127,7 @@ from distnorm import _bnp_functions, _collectives, _frames, _fused
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt, cpu_kernel_enabled
 from distnorm._cpu_kernels import batch_norm_update_stats as _cpu_update_stats
+from distnorm._cpu_kernels import memory_format as _memory_format
 from distnorm._fused import grad_coef_of, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
@@ -354,14 +355,6 @@ class NormalizeFunction(torch.autograd.Function):
             to_dtype(grad_b, ctx.bias_dtype) if need_b else None,
             None, None,
         )
-
-
-def _memory_format(x: Tensor) -> torch.memory_format:
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
 
 
 def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Tensor, Tensor, Any]:
