@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from distnorm import _debug, _frames
 from distnorm._release import released
-from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm.errors import (
     CollectiveFailedError,
     CollectiveMismatchError,
@@ -370,13 +369,14 @@ def check_frames() -> None:
     _frames.check_pending()
 
 
-def local_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def local_moments(x: torch.Tensor, cpu_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel mean and biased variance of a non-empty ``(N, C, *)`` tensor, in the
     accumulation dtype.
 
-    ATen's batch-norm statistics kernel (any memory format, CPU and CUDA); on the CPU its
-    twin ``distnorm::batch_norm_update_stats`` (same schema and arithmetic, faster for
-    contiguous float32: :mod:`distnorm._cpu_kernels`) unless ``DISTNORM_CPU_KERNEL=0``.
+    ATen's batch-norm statistics kernel (any memory format, CPU and CUDA); with
+    ``cpu_kernel`` (a CPU tensor; :func:`distnorm._fused.cpu_kernel_decision`) its twin
+    ``distnorm::batch_norm_update_stats`` (same schema and arithmetic, faster for
+    contiguous float32: :mod:`distnorm._cpu_kernels`).
     Kernel contract: the CUDA kernel returns accumulation-dtype statistics for any
     input; the CPU kernel does so for fp16/bf16 inputs only when given float32 "running"
     buffers, which select its mixed-precision path. Both devices therefore get float32
@@ -384,7 +384,7 @@ def local_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     and none for float32/float64, where both return the input dtype already.
     """
     acc = accumulate_dtype(x)
-    on_cpu = x.device.type == "cpu" and cpu_kernel_enabled()
+    on_cpu = cpu_kernel and x.device.type == "cpu"
     stats = torch.ops.distnorm.batch_norm_update_stats if on_cpu else torch.ops.aten.batch_norm_update_stats
     if x.dtype == acc:
         mean, var = stats(x, None, None, 0.0)
@@ -406,7 +406,7 @@ def _scratch(channels: int, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = "",
-                   training: bool = True, piggyback: torch.Tensor | None = None) -> Moments:
+                   training: bool = True, piggyback: torch.Tensor | None = None, cpu_kernel: bool = False) -> Moments:
     """Per-channel count, mean and biased variance of ``x`` over every rank of ``group``.
 
     Local (``group is None``): the Welford statistics of :func:`local_moments`, count known
@@ -430,6 +430,10 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     copies of one integer: entry ``i`` is added to channel ``i``'s count and taken out again
     after the reduction from channel ``k``'s, exactly (integers below ``2**53`` in float64).
     Every rank must pass one at the same call, or none.
+
+    ``cpu_kernel``: the local moments of a CPU tensor come from distnorm's C kernel
+    (:func:`local_moments`); every rank of ``group`` must pass the same value, which
+    :func:`distnorm._fused.cpu_kernel_decision` gives.
     """
     channels = x.shape[1]
     acc = accumulate_dtype(x)
@@ -438,13 +442,13 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
         if local_count == 0:  # kernel contract: CUDA's statistics kernel rejects N = 0
             mean, var = torch.zeros(2, channels, dtype=acc, device=x.device).unbind()  # two tensors, not one
             return Moments(0, mean, var, False)
-        mean, var = local_moments(x)
+        mean, var = local_moments(x, cpu_kernel)
         if _debug.is_debug():
             _check_statistics(torch.stack([mean.double(), var.double()]), layer, training, float(local_count))
         return Moments(local_count, mean, var, local_count > 1)
 
     if local_count > 0:
-        mean, var = local_moments(x)
+        mean, var = local_moments(x, cpu_kernel)
         m64 = mean.double()
         packed = torch.stack([m64, torch.addcmul(var, m64, m64), constant(1.0, channels, torch.float64, x.device)])
         packed.mul_(local_count)

@@ -41,11 +41,15 @@ second, once; a process then loads it with :mod:`ctypes` (about a millisecond). 
 runtime is the one torch already loaded (``libgomp.so.1``), with ``torch.get_num_threads()``
 threads.
 
-``DISTNORM_CPU_KERNEL`` (read at each call; the group's first step votes on it): ``1`` (default)
-these kernels; ``0`` ATen's two passes for the backward and ATen's statistics (the same maths,
-rounded otherwise: use it on every rank or none). A machine without a
-C compiler, or whose build fails, raises — on every rank that reaches a backward — rather
-than falling back to different arithmetic on some ranks.
+``DISTNORM_CPU_KERNEL``: ``1`` (default) these kernels; ``0`` ATen's two passes for the
+backward and ATen's statistics (the same maths, rounded otherwise: use it on every rank or
+none). Which kernels a synchronized layer runs is agreed by its group at the group's first
+step (:func:`distnorm._fused.cpu_kernel_decision`): every rank builds or loads the C kernels
+for its vote before using them, and that step's statistics are ATen's on every rank. A rank
+without a C compiler, or whose build fails, is named by every rank, which all raise at that
+collective — never a wait for the timeout, never a quiet fallback to other arithmetic on
+some ranks. A layer without a group reads the setting at each call and builds the kernels at
+its first use.
 """
 
 from __future__ import annotations

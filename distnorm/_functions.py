@@ -11,8 +11,9 @@ statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
     1. :func:`distnorm._collectives.global_moments`: local moments (ATen's statistics
        kernel; on the CPU ``distnorm::batch_norm_update_stats``, the same arithmetic in
        fewer cycles: :mod:`distnorm._cpu_kernels`), ONE all-reduce
-       (at a group's first step its counts also carry the ranks' vote on the per-channel
-       operators' kernels, so every rank runs the same ones: :mod:`distnorm._fused`).
+       (at a group's first step its counts also carry the ranks' vote on the kernels —
+       Triton's per-channel operators, the CPU's C kernels — so every rank runs the same
+       ones: :mod:`distnorm._fused`; that step's statistics are ATen's on every rank).
     2. Per-channel algebra in the accumulation dtype (float32, float64 for float64 input):
        the statistics the output uses, and the coefficients of the backward below (for
        CBN one operator, ``distnorm::cbn_plan``).
@@ -125,7 +126,7 @@ from torch.autograd.function import once_differentiable
 
 from distnorm import _bnp_functions, _collectives, _frames, _fused
 from distnorm._collectives import ProcessGroup, constant
-from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt, cpu_kernel_enabled
+from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt
 from distnorm._cpu_kernels import batch_norm_update_stats as _cpu_update_stats
 from distnorm._cpu_kernels import memory_format as _memory_format
 from distnorm._fused import grad_coef_of, to_dtype, update_running
@@ -379,7 +380,8 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
     running_mean, running_var, num_batches_tracked = buffers
     group = state.group()
     votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
-    moments = _collectives.global_moments(x, group, layer=state.name, piggyback=votes)
+    moments = _collectives.global_moments(x, group, layer=state.name, piggyback=votes,
+                                          cpu_kernel=_fused.cpu_kernel_decision(group, x.device))
     if votes is not None:
         _fused.triton_decision(group, x.device, votes)  # kept for the backward's shift_slope
     mean, var, count = moments.mean, moments.var, moments.count
@@ -410,7 +412,8 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     """
     group = state.group()
     votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
-    count, mean, var, valid = _collectives.global_moments(x, group, layer=state.name, piggyback=votes)
+    count, mean, var, valid = _collectives.global_moments(x, group, layer=state.name, piggyback=votes,
+                                                          cpu_kernel=_fused.cpu_kernel_decision(group, x.device))
     triton = _fused.triton_decision(group, x.device, votes)
     if isinstance(count, int):
         host_count, moments = count, [mean, var]
@@ -534,18 +537,21 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     shift, slope, w, count = torch.ops.distnorm.shift_slope(grad_coef, sums, triton)  # r_mu S1, q T, w, [n]
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
-    return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count)), grad_weight, grad_bias
+    cpu_kernel = _fused.cpu_kernel_decision(state.group(), x.device)  # what the forward's group agreed
+    return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), cpu_kernel), grad_weight, grad_bias
 
 
-def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequence[Tensor]) -> Tensor:
+def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequence[Tensor],
+                   cpu_kernel: bool = False) -> Tensor:
     """``dx = a (g - shift / n - (x - w) slope / n)`` in ONE pass over ``g`` and ``x``
     (``args``: ``(w, shift, slope, count)`` of ``distnorm::shift_slope``; ``a = grad_scale``).
 
     That is ATen's CUDA ``batch_norm_backward_elemt`` with ``mean = w``, ``invstd = 1``,
     ``weight = a``, ``sum_dy = shift``, ``sum_dy_xmu = slope`` and ``count = [n]``, which
     the CUDA path calls; the CPU calls its twin of the same schema and formula,
-    ``distnorm::batch_norm_backward_elemt`` (:mod:`distnorm._cpu_kernels`), unless
-    ``DISTNORM_CPU_KERNEL=0``. Other devices, and that setting, take ATen's two passes
+    ``distnorm::batch_norm_backward_elemt`` (:mod:`distnorm._cpu_kernels`), with
+    ``cpu_kernel`` (:func:`distnorm._fused.cpu_kernel_decision`). Other devices, and the CPU
+    without it, take ATen's two passes
     (``a g + B x + D``, rounded twice). Kernel contract (CUDA): a non-empty input, per-channel
     tensors of the accumulation dtype, 1-D and contiguous, ``count`` int32.
     """
@@ -553,7 +559,7 @@ def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequen
     one = constant(1.0, w.shape[0], w.dtype, w.device)
     if x.device.type == "cuda":
         return torch.ops.aten.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
-    if x.device.type == "cpu" and cpu_kernel_enabled():
+    if cpu_kernel and x.device.type == "cpu":
         return torch.ops.distnorm.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
     # B = -a slope / n, D = a (w slope - shift) / n: an affine map of x, then + a g.
     u = grad_scale / count.to(w.dtype)

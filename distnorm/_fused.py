@@ -30,9 +30,9 @@ a synchronized layer's group must take the same one**, or the buffers that are m
 identical on every rank drift apart.
 
 Whether Triton runs is therefore agreed by the group, once, through the all-reduce a layer
-already issues: at the group's first synchronized CBN / BN step on a device type (of a layer
-of at least 3 channels), each rank votes (:func:`triton_vote`: Triton works here / failed /
-neither), the vote rides in the values of that all-reduce (added to the counts and taken
+already issues: at the group's first synchronized CBN / BN / BNP step on a device type (of a
+layer of more than 4 channels), each rank votes (:func:`triton_vote`: Triton works here /
+failed / neither; and on the CPU, whether its C kernels are on and build: :func:`cpu_kernel_decision`), the vote rides in the values of that all-reduce (added to the counts and taken
 out again, exactly: no byte more), and every rank reads the same sums
 (:func:`triton_decision`). Until then the group runs the composite, on every rank alike.
 
@@ -81,12 +81,12 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from distnorm import _collectives
+from distnorm import _collectives, _cpu_kernels
 from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm._collectives import ProcessGroup, constant
 
 __all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_param_grads_composite", "cbn_plan", "cbn_plan_composite",
-           "grad_coef_of", "interpreted_kernels", "load_interpreted", "shift_slope",
+           "cpu_kernel_decision", "grad_coef_of", "interpreted_kernels", "load_interpreted", "shift_slope",
            "shift_slope_composite", "to_dtype", "triton_decision", "triton_enabled", "triton_state", "triton_vote",
            "update_running"]
 
@@ -396,6 +396,11 @@ def _local_verdict(device: torch.device) -> tuple[int, str]:
 _AGREED: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, TritonState]]" = weakref.WeakKeyDictionary()
 
 
+#: Whether a group's CPU layers run distnorm's C kernels (:func:`cpu_kernel_decision`), agreed
+#: at the same step as Triton; held weakly as :data:`_AGREED`.
+_CPU_KERNEL_AGREED: "weakref.WeakKeyDictionary[ProcessGroup, bool]" = weakref.WeakKeyDictionary()
+
+
 def _agreed(group: ProcessGroup, device_type: str) -> TritonState | None:
     return _AGREED.get(group, {}).get(device_type)
 
@@ -412,20 +417,60 @@ def _failure(reason: str) -> RuntimeError:
         "kernel launches).")
 
 
+#: The entries of a rank's vote (:func:`triton_vote`); a layer needs more channels than this.
+_VOTE_ENTRIES = 4
+
+
+def _cpu_kernel_verdict(device: torch.device) -> tuple[int, str]:
+    """This rank's CPU kernels: ``(_OK, "")``, ``(_OFF, why)`` (``DISTNORM_CPU_KERNEL=0``, or
+    not a CPU device) or ``(_FAILED, error)`` (the C kernels cannot be built or loaded here:
+    the build runs now, before the rank uses them)."""
+    if device.type != "cpu":
+        return _OFF, "not a CPU device"
+    if not cpu_kernel_enabled():
+        return _OFF, "DISTNORM_CPU_KERNEL=0"
+    try:
+        _cpu_kernels.library()
+    except (RuntimeError, OSError) as err:
+        return _FAILED, str(err)
+    return _OK, ""
+
+
 def triton_vote(group: ProcessGroup | None, device: torch.device, channels: int) -> Optional[Tensor]:
-    """This rank's vote as a float64 ``[ok, failed, cpu_kernel_off]`` on ``device`` (``ok =
-    failed = 0``: Triton not wanted or not here; ``cpu_kernel_off``: ``DISTNORM_CPU_KERNEL=0``
-    here, :mod:`distnorm._cpu_kernels`), to be summed over ``group`` by the statistics'
-    all-reduce of a layer of ``channels`` channels; or ``None`` when there is nothing to agree
-    or no room: no group, the group agreed already for this device type, or at most 3
-    channels (the vote rides on the counts, :func:`distnorm._collectives.global_moments`).
-    Every rank of a group gets ``None`` or a tensor at the same call — what decides it is the
-    same on every rank."""
-    if group is None or channels <= 3 or _agreed(group, device.type) is not None:
+    """This rank's vote as a float64 ``[ok, failed, cpu_kernel_off, cpu_kernel_failed]`` on
+    ``device`` (``ok = failed = 0``: Triton not wanted or not here; ``cpu_kernel_off``:
+    ``DISTNORM_CPU_KERNEL=0`` here; ``cpu_kernel_failed``: the C kernels of
+    :mod:`distnorm._cpu_kernels` cannot be built here), to be summed over ``group`` by the
+    statistics' all-reduce of a layer of ``channels`` channels; or ``None`` when there is
+    nothing to agree or no room: no group, the group agreed already for this device type, or
+    at most 4 channels (the vote rides on the counts,
+    :func:`distnorm._collectives.global_moments`). Every rank of a group gets ``None`` or a
+    tensor at the same call — what decides it is the same on every rank. A CPU rank builds
+    its C kernels here, before it uses them: a rank that cannot is named by every rank at
+    this collective instead of raising alone before it."""
+    if group is None or channels <= _VOTE_ENTRIES or _agreed(group, device.type) is not None:
         return None
     verdict = _local_verdict(device)[0]
-    return torch.tensor([verdict == _OK, verdict == _FAILED, not cpu_kernel_enabled()],
-                        dtype=torch.float64).to(device)
+    cpu = _cpu_kernel_verdict(device)[0]
+    off = device.type == "cpu" and cpu == _OFF
+    return torch.tensor([verdict == _OK, verdict == _FAILED, off, cpu == _FAILED], dtype=torch.float64).to(device)
+
+
+def cpu_kernel_decision(group: ProcessGroup | None, device: torch.device) -> bool:
+    """Whether a layer synchronizing over ``group`` runs distnorm's C kernels on ``device``
+    (the statistics and the backward's element-wise pass, :mod:`distnorm._cpu_kernels`).
+
+    Without a group: this process's own setting (``DISTNORM_CPU_KERNEL``; a kernel that
+    cannot be built raises at its first use, on this rank only, as no other rank computes
+    with it). With a group: what the group agreed at its first step on this device type
+    (:func:`triton_decision`) — ATen's kernels before that step's collective, the voting
+    step included, and in a group that never votes (all of its layers of at most 4
+    channels), on every rank alike."""
+    if device.type != "cpu":
+        return False
+    if group is None:
+        return cpu_kernel_enabled()
+    return _CPU_KERNEL_AGREED.get(group, False)
 
 
 def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Optional[Tensor] = None) -> bool:
@@ -447,13 +492,23 @@ def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Opt
     if votes is None:
         agreed = _agreed(group, device.type)
         return agreed is not None and agreed.used
-    ok, failed, cpu_kernel_off = (int(v) for v in votes.tolist())  # once per group and device type
+    ok, failed, cpu_kernel_off, cpu_kernel_failed = (int(v) for v in votes.tolist())  # once per group and device
     size = _collectives.group_size(group)
-    if 0 < cpu_kernel_off < size:  # the backward's element-wise pass would round differently on some ranks
+    if 0 < cpu_kernel_off < size:  # the statistics and the backward would round differently on some ranks
         texts = _collectives.gather_texts(f"DISTNORM_CPU_KERNEL={os.environ.get('DISTNORM_CPU_KERNEL', '')!r}", group)
         listing = "\n".join(f"  rank {r}: {t}" for r, t in zip(_collectives.group_ranks(group), texts))
         raise RuntimeError(f"distnorm: DISTNORM_CPU_KERNEL=0 on {cpu_kernel_off} of the {size} ranks of the group; every "
                            f"rank must run the same backward arithmetic, so set it on every rank or on none:\n{listing}")
+    if cpu_kernel_failed:  # every rank knows from the same sums: all gather who, all raise
+        cpu_verdict, cpu_reason = _cpu_kernel_verdict(device)
+        texts = _collectives.gather_texts(cpu_reason.splitlines()[0] if cpu_verdict == _FAILED else "ok", group)
+        listing = "\n".join(f"  rank {r}: {t}" for r, t in zip(_collectives.group_ranks(group), texts) if t != "ok")
+        raise RuntimeError(
+            f"distnorm: the CPU kernels (distnorm._cpu_kernels) cannot be built on {cpu_kernel_failed} of the {size} "
+            f"ranks of the group:\n{listing}\nInstall a C compiler there (gcc or clang; CC chooses one), or set "
+            "DISTNORM_CPU_KERNEL=0 on every rank to run ATen's kernels instead.")
+    if device.type == "cpu":
+        _CPU_KERNEL_AGREED[group] = cpu_kernel_off == 0
     if ok == size:
         _agree(group, device.type, TritonState(True, ""))
         return True

@@ -405,3 +405,66 @@ def test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank(tmp_path):
     for rank, message in enumerate(run_distributed(_cpu_kernel_setting_worker, 2, tmp_path, timeout=120)):
         assert "DISTNORM_CPU_KERNEL=0 on 1 of the 2 ranks" in message and "rank 1: DISTNORM_CPU_KERNEL='0'" in message, \
             (rank, message)
+
+
+def _no_compiler_worker(rank: int, world: int, cache: str) -> str:
+    import os
+
+    from distnorm import _cpu_kernels
+
+    if rank == 1:  # this machine has no C compiler, and no kernel built before
+        os.environ["CC"] = "no-such-compiler"
+        os.environ["DISTNORM_CACHE_DIR"] = cache
+        _cpu_kernels.library.cache_clear()
+    layer = distnorm.CBN(8)
+    distnorm.set_lr(layer, 0.01)
+    try:
+        layer(torch.randn(6, 8, 3, 3, requires_grad=True)).sum().backward()
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(120)
+def test_a_rank_without_a_c_compiler_is_named_by_every_rank_at_the_first_step(tmp_path):
+    """A rank whose C kernels cannot be built votes so at the group's first step, which runs
+    ATen's statistics on every rank: both ranks raise at that collective, naming rank 1 and
+    the fix. Bug caught: the kernels built at their first use — rank 1 raised before the
+    statistics all-reduce and rank 0 waited in it until the group's timeout."""
+    from tests.distributed import run_distributed
+
+    messages = run_distributed(_no_compiler_worker, 2, tmp_path, str(tmp_path / "empty-cache"), timeout=90)
+    for rank, message in enumerate(messages):
+        assert "cannot be built on 1 of the 2 ranks" in message and "rank 1: distnorm: the CPU kernel" in message, \
+            (rank, message)
+        assert "DISTNORM_CPU_KERNEL=0 on every rank" in message, (rank, message)
+
+
+def _kernels_per_step_worker(rank: int, world: int) -> list[list[str]]:
+    from tests.dispatch import OpCounter
+
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(distnorm.CBN(8), distnorm.SyncBatchNorm(8))
+    distnorm.set_lr(model, 0.01)
+    steps = []
+    for _ in range(2):
+        with OpCounter() as counter:
+            model(torch.randn(6, 8, 3, 3, requires_grad=True)).sum().backward()
+        steps.append([op for op in counter.ops if "update_stats" in op or "backward_elemt" in op])
+    return steps
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(120)
+def test_synchronized_layers_run_the_c_kernels_once_the_group_agreed(tmp_path):
+    """The group's first synchronized call (its vote) runs ATen's statistics; every later one,
+    the second layer of that step included, the C kernels of distnorm._cpu_kernels (statistics
+    and the backward's element-wise pass), on every rank. Bug caught: the agreement never
+    recorded — every synchronized CPU step on ATen's slower kernels, which no value would show."""
+    from tests.distributed import run_distributed
+
+    ours = ["distnorm.batch_norm_update_stats.default", "distnorm.batch_norm_backward_elemt.default"]
+    for rank, (first, second) in enumerate(run_distributed(_kernels_per_step_worker, 2, tmp_path, timeout=90)):
+        assert first == ["aten.batch_norm_update_stats.default", ours[0], *ours[1:] * 2], (rank, first)
+        assert second == [ours[0]] * 2 + [ours[1]] * 2, (rank, second)
