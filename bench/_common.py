@@ -78,15 +78,23 @@ def ratio_spread(times: dict[str, list[float]], base: str) -> dict[str, list[flo
 
 
 def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, device: torch.device,
-                      warmup: int = 2) -> dict[str, list[float]]:
+                      warmup: int = 2, before: Callable[[], None] | None = None) -> dict[str, list[float]]:
     """Seconds of every call of each function, timed round-robin (round ``i`` of each list
-    ran together)."""
+    ran together). Each round starts one function later than the one before (round ``i``
+    runs them from the ``i mod k``-th on): which function runs after which changes what
+    the caches and the allocator hand it, by up to 15 % for memory-bound layers on the
+    CPU, so no function keeps one neighbour (``docs/reference/benchmarks.md``).
+    ``before``: run, untimed, before each timed call (e.g. evicting the caches)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
+            if before is not None:
+                before()
             synchronize(device)
             start = time.perf_counter()
             fn()

@@ -68,10 +68,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["SOURCE", "batch_norm_backward_elemt", "batch_norm_update_stats", "cpu_kernel_enabled", "library",
+__all__ = ["SOURCE", "batch_norm_backward_elemt", "batch_norm_update_stats", "cbn_plan", "cpu_kernel_enabled", "library",
            "memory_format"]
 
 SOURCE = r"""
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -173,6 +174,72 @@ CLONES void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C
         var_out[c] = (float)fold(acc) / (float)n;
     }
 }
+
+/* CBN's per-channel step in float32: distnorm._fused.cbn_plan_composite's formulas in its
+   order of operations, one loop over the channels instead of some thirty ATen calls (the
+   Triton kernel of distnorm/_triton.py is the same program for CUDA). count: the device's
+   per-channel count, or NULL for the host's (host_n, bessel); eta: NULL without history. */
+static inline float lerp_f(float start, float end, float weight) {  /* ATen's lerp (Lerp.h) */
+    return fabsf(weight) < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+static inline float clamp_f(float x, float lo, float hi) {  /* torch.clamp: NaN stays NaN */
+    if (x != x) return x;
+    return x < lo ? lo : (x > hi ? hi : x);
+}
+void cbn_plan_f32(const float* mean, const float* var, const float* count, const float* weight, const float* bias,
+                  const float* eta_ptr, float* amat_mean, float* amat_var, uint8_t* amat_init, float* run_mean,
+                  float* run_var, int64_t* nbt, float* center_out, float* var_u_out, float* invstd_out, float* a_out,
+                  float* coef, float* beta_coef, int64_t C, float host_n, float bessel, float eps, int cumulative,
+                  float momentum, float inv_rho, int scale_a, float r_min, float r_max) {
+    int valid = count ? count[0] > 1.0f : 1;
+    int initialized = amat_init[0] != 0;
+    int64_t nbt_new = nbt[0] + valid;
+    float steps = (float)nbt_new;
+    float run_weight = cumulative ? 1.0f / (steps > 1.0f ? steps : 1.0f) : momentum;
+    float eta = eta_ptr ? eta_ptr[0] : 0.0f;
+    for (int64_t c = 0; c < C; ++c) {
+        float mu_b = mean[c], var_x = var[c], beta = bias[c], gamma = weight[c];
+        float mu_u, d, var_u, invstd, q, r_mu, center, w;
+        if (eta_ptr) {
+            float mu_a = initialized ? amat_mean[c] : mu_b;
+            float var_a = initialized ? amat_var[c] : var_x + beta * beta;
+            float delta = mu_a - mu_b;
+            mu_u = mu_b + delta * eta;
+            d = beta - delta * eta;
+            float var_b = var_x + d * d;
+            var_u = lerp_f(var_b, var_a, eta);
+            float inv_s = 1.0f / sqrtf(var_b + eps);
+            invstd = 1.0f / sqrtf(var_u + eps);
+            float r_sig = clamp_f(inv_s / invstd, r_min, r_max);
+            q = r_sig * inv_s;
+            float ratio = mu_u / mu_b;
+            int meaningful = ratio > 0.0f && (var_x + (-100.0f * mu_b) * mu_b) < -eps;
+            r_mu = meaningful ? clamp_f(ratio, r_min, r_max) : 1.0f;
+            center = mu_u - beta;
+            w = center + r_mu * d;
+        } else {
+            mu_u = mu_b; d = beta; r_mu = 1.0f;
+            var_u = var_x + beta * beta;
+            invstd = q = 1.0f / sqrtf(var_u + eps);
+            center = mu_b - beta;
+            w = mu_b;
+        }
+        float a = invstd * gamma;
+        if (scale_a) a = a * inv_rho;
+        float n = count ? count[c] : host_n;
+        center_out[c] = center; var_u_out[c] = var_u; invstd_out[c] = invstd; a_out[c] = a;
+        coef[c] = r_mu; coef[C + c] = q; coef[2 * C + c] = w; coef[3 * C + c] = n;
+        beta_coef[c] = q * d;
+        if (valid) {
+            amat_mean[c] = mu_u; amat_var[c] = var_u;
+            float var_unbiased = var_x * (count ? n / (n - 1.0f) : bessel);
+            run_mean[c] = lerp_f(run_mean[c], mu_b, run_weight);
+            run_var[c] = lerp_f(run_var[c], var_unbiased, run_weight);
+        }
+    }
+    amat_init[0] = (uint8_t)(initialized | valid);
+    nbt[0] = nbt_new;
+}
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
@@ -227,7 +294,7 @@ def library() -> ctypes.CDLL:
             if not target.exists():
                 _build(compiler, target)
     lib = ctypes.CDLL(str(target))
-    for name in [*_FUNCTIONS.values(), "stats_f32"]:
+    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32"]:
         getattr(lib, name).restype = None
     return lib
 
@@ -289,6 +356,29 @@ def batch_norm_update_stats(x: Tensor, running_mean: Tensor | None, running_var:
                         ctypes.c_int64(channels), ctypes.c_int64(inner), ctypes.c_int64(x.numel()),
                         ctypes.c_int(torch.get_num_threads()))
     return mean, var
+
+
+def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffers: list[Tensor], hyper: list[float],
+             momentum: float | None) -> tuple[Tensor, ...]:
+    """The CPU kernel of ``distnorm::cbn_plan`` (the arguments and the maths of
+    :func:`distnorm._fused.cbn_plan_composite`) for float32 statistics and buffers on the CPU:
+    :data:`SOURCE`'s ``cbn_plan_f32``, one loop over the channels where the composite makes
+    some thirty ATen calls. A host count must be valid (``> 1``), as for the Triton kernel."""
+    mean, var, *device = moments  # a device count's validity mask is the kernel's own (count > 1)
+    count = device[0].contiguous() if device else None
+    weight, bias, *eta = (p.to(torch.float32).contiguous() for p in params)
+    eps, rho, r_max = hyper
+    channels = mean.shape[0]
+    center, var_u, invstd, a, beta_coef = (torch.empty(channels) for _ in range(5))
+    grad_coef = torch.empty(2, 2, channels)
+    pointer = lambda t: ctypes.c_void_p(t.data_ptr() if t is not None else None)  # noqa: E731
+    library().cbn_plan_f32(
+        *(pointer(t) for t in (mean.contiguous(), var.contiguous(), count, weight, bias, eta[0] if eta else None,
+                               *buffers, center, var_u, invstd, a, grad_coef, beta_coef)),
+        ctypes.c_int64(channels), ctypes.c_float(max(host_count, 1)), ctypes.c_float(host_count / max(host_count - 1, 1)),
+        ctypes.c_float(eps), ctypes.c_int(momentum is None), ctypes.c_float(0.0 if momentum is None else momentum),
+        ctypes.c_float(1.0 / rho), ctypes.c_int(rho != 1.0), ctypes.c_float(1.0 / r_max), ctypes.c_float(r_max))
+    return center, var_u, invstd, a, grad_coef, beta_coef
 
 
 def memory_format(t: Tensor) -> torch.memory_format:

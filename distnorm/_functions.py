@@ -412,9 +412,11 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     """
     group = state.group()
     votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
+    cpu_kernel = _fused.cpu_kernel_decision(group, x.device)  # before the vote: ATen's and the composite at the vote
     count, mean, var, valid = _collectives.global_moments(x, group, layer=state.name, piggyback=votes,
-                                                          cpu_kernel=_fused.cpu_kernel_decision(group, x.device))
+                                                          cpu_kernel=cpu_kernel)
     triton = _fused.triton_decision(group, x.device, votes)
+    plan_kernel = "triton" if triton else "cpu" if cpu_kernel else "composite"
     if isinstance(count, int):
         host_count, moments = count, [mean, var]
     else:
@@ -422,7 +424,7 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     params = [weight, bias, eta] if state.history else [weight, bias]
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
     plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
-                                                 state.amat_ready, triton))
+                                                 state.amat_ready, plan_kernel))
     if state.stats_sink is not None:
         # Theory monitors (distnorm.monitors) read the operator's own inputs and outputs, the
         # values every rank computes: references, no op and no second computation, so a rank

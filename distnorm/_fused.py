@@ -607,14 +607,18 @@ def _triton_takes_plan(moments: Sequence[Tensor], host_count: int, params: Seque
 
 
 def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffers: list[Tensor], hyper: list[float],
-             momentum: Optional[float], amat_ready: bool, triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                                  Tensor]:
+             momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                                 Tensor]:
     """The kernel of ``distnorm::cbn_plan``: :func:`cbn_plan_composite` (its arguments and
-    the maths), or with ``triton`` (:func:`triton_decision`) the Triton kernel where it takes
-    the case."""
-    if triton and _triton_takes_plan(moments, host_count, params, buffers):
+    the maths), or where it takes the case, for ``kernel="triton"`` (:func:`triton_decision`)
+    the Triton kernel, for ``kernel="cpu"`` (:func:`cpu_kernel_decision`) the C kernel of
+    :mod:`distnorm._cpu_kernels` (the same cases, on the CPU); ``"composite"``: the composite."""
+    if kernel == "triton" and _triton_takes_plan(moments, host_count, params, buffers):
         return _launch("cbn_plan", moments[0].device,
                        lambda k: k.cbn_plan(moments, host_count, params, buffers, hyper, momentum))
+    if (kernel == "cpu" and moments[0].device.type == "cpu" and _triton_takes_plan(moments, host_count, params, buffers)
+            and buffers[2].dtype == torch.bool and buffers[5].dtype == torch.int64):
+        return _cpu_kernels.cbn_plan(moments, host_count, params, buffers, hyper, momentum)
     return cbn_plan_composite(moments, host_count, params, buffers, hyper, momentum, amat_ready)
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import distnorm
-from distnorm import _fused
+from distnorm import _cpu_kernels, _fused
 
 C = 70  # not a power of two: the last block is partial
 
@@ -41,7 +41,7 @@ CASES = {  # name: keyword arguments of _plan_args
 
 def _plan_args(*, history, device_count=False, masked=False, initialized=True, momentum=0.1, rho=1.5, r_max=2.0,
                param_dtype=torch.float32, device="cpu", seed=0, channels=C) -> tuple:
-    """Arguments of ``distnorm::cbn_plan`` (less ``triton``): batch statistics with means
+    """Arguments of ``distnorm::cbn_plan`` (less ``kernel``): batch statistics with means
     near zero and far from it (both branches of ``r_mu``), every buffer, a count on the host
     or the device (with the validity mask the device computed, for a masked step)."""
     g, c = torch.Generator().manual_seed(seed), channels
@@ -63,9 +63,10 @@ def _plan_args(*, history, device_count=False, masked=False, initialized=True, m
 BUFFERS = 3  # where the buffers are among the arguments
 
 
-def _op_args(args: tuple, triton: bool) -> tuple:
-    """The operator's arguments: the composite's and ``triton`` (which implementation runs)."""
-    return (*args, triton)
+def _op_args(args: tuple, kernel: str) -> tuple:
+    """The operator's arguments: the composite's and ``kernel`` (which implementation runs:
+    ``"composite"``, ``"triton"``, ``"cpu"``)."""
+    return (*args, kernel)
 
 
 def _clone(args: tuple) -> tuple:
@@ -107,6 +108,27 @@ def test_triton_plan_kernel_equals_composite(interpreted, case):
     composite_args, kernel_args = _clone(args), _clone(args)
     want = _fused.cbn_plan_composite(*composite_args)
     got = _run_plan_kernel(interpreted, kernel_args)
+    _assert_close(list(got) + kernel_args[BUFFERS], list(want) + composite_args[BUFFERS])
+    if CASES[case].get("masked"):  # an all-empty global batch changes no buffer
+        _assert_close(kernel_args[BUFFERS], args[BUFFERS])
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_plan_kernel_equals_composite(case):
+    """The C kernel of ``distnorm::cbn_plan`` (:mod:`distnorm._cpu_kernels`, what synchronized
+    CPU layers run once their group agreed) against the composite, case by case. Bugs caught:
+    a formula that differs (outputs or buffer updates), a masked step that still writes, a
+    counter or flag not updated, the case not taken at all."""
+    args = _plan_args(**CASES[case])
+    composite_args, kernel_args = _clone(args), _clone(args)
+    want = _fused.cbn_plan_composite(*composite_args)
+    calls = []
+    original = _cpu_kernels.cbn_plan
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_cpu_kernels, "cbn_plan", lambda *a: calls.append(1) or original(*a))
+        got = torch.ops.distnorm.cbn_plan(*_op_args(kernel_args, "cpu"))
+    assert calls, "the composite ran, not the C kernel"
     _assert_close(list(got) + kernel_args[BUFFERS], list(want) + composite_args[BUFFERS])
     if CASES[case].get("masked"):  # an all-empty global batch changes no buffer
         _assert_close(kernel_args[BUFFERS], args[BUFFERS])
@@ -232,7 +254,7 @@ def test_operators_are_well_formed_for_torch_compile():
     """``torch.library.opcheck``: schema and declared mutations, fake kernels (shapes for
     ``torch.compile``), no autograd registration needed (they run under no_grad)."""
     for case in ("history", "device_count"):
-        torch.library.opcheck(torch.ops.distnorm.cbn_plan.default, _op_args(_plan_args(**CASES[case]), False))
+        torch.library.opcheck(torch.ops.distnorm.cbn_plan.default, _op_args(_plan_args(**CASES[case]), "composite"))
     s1, t = torch.randn(C), torch.randn(C)
     torch.library.opcheck(torch.ops.distnorm.cbn_param_grads.default,
                           (s1, t, torch.randn(C), torch.rand(C), 0.5, False))
@@ -251,7 +273,7 @@ def test_cuda_fused_operators_equal_composite(case):
     args = _plan_args(**CASES[case], device="cuda")
     composite_args, op_args = _clone(args), _clone(args)
     want = _fused.cbn_plan_composite(*composite_args)
-    got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, True))
+    got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, "triton"))
     _assert_close([x.cpu() for x in list(got) + op_args[BUFFERS]],
                   [x.cpu() for x in list(want) + composite_args[BUFFERS]])
     s1, t, beta_coef, a = (torch.randn(C, device="cuda") for _ in range(4))
