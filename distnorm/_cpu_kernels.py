@@ -68,8 +68,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["SOURCE", "batch_norm_backward_elemt", "batch_norm_update_stats", "cbn_plan", "cpu_kernel_enabled", "library",
-           "memory_format"]
+__all__ = ["SOURCE", "batch_norm_backward_elemt", "batch_norm_update_stats", "cbn_param_grads", "cbn_plan",
+           "cpu_kernel_enabled", "library", "memory_format", "shift_slope"]
 
 SOURCE = r"""
 #include <math.h>
@@ -240,6 +240,28 @@ void cbn_plan_f32(const float* mean, const float* var, const float* count, const
     amat_init[0] = (uint8_t)(initialized | valid);
     nbt[0] = nbt_new;
 }
+
+/* The backward's per-channel operators (distnorm._fused's cbn_param_grads_composite and
+   shift_slope_composite), float32: sums = [S1, T], dgamma = T inv_rho, dbeta = (S1 - beta_coef T) a;
+   shift = r_mu S1, slope = q T, w, and the count as int32, from grad_coef = [[r_mu, q], [w, n]]. */
+void cbn_param_grads_f32(const float* s1, const float* t, const float* beta_coef, const float* a, float* sums,
+                         float* grad_weight, float* grad_bias, int64_t C, float inv_rho) {
+    for (int64_t c = 0; c < C; ++c) {
+        sums[c] = s1[c]; sums[C + c] = t[c];
+        grad_weight[c] = t[c] * inv_rho;
+        grad_bias[c] = (s1[c] + (-1.0f * beta_coef[c]) * t[c]) * a[c];
+    }
+}
+
+void shift_slope_f32(const float* coef, const float* sums, float* shift, float* slope, float* w, int32_t* count,
+                     int64_t C) {
+    for (int64_t c = 0; c < C; ++c) {
+        shift[c] = coef[c] * sums[c];
+        slope[c] = coef[C + c] * sums[C + c];
+        w[c] = coef[2 * C + c];
+    }
+    count[0] = (int32_t)coef[3 * C];
+}
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
@@ -294,7 +316,7 @@ def library() -> ctypes.CDLL:
             if not target.exists():
                 _build(compiler, target)
     lib = ctypes.CDLL(str(target))
-    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32"]:
+    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32", "cbn_param_grads_f32", "shift_slope_f32"]:
         getattr(lib, name).restype = None
     return lib
 
@@ -379,6 +401,29 @@ def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffe
         ctypes.c_float(eps), ctypes.c_int(momentum is None), ctypes.c_float(0.0 if momentum is None else momentum),
         ctypes.c_float(1.0 / rho), ctypes.c_int(rho != 1.0), ctypes.c_float(1.0 / r_max), ctypes.c_float(r_max))
     return center, var_u, invstd, a, grad_coef, beta_coef
+
+
+def cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor,
+                    inv_rho: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The CPU kernel of ``distnorm::cbn_param_grads`` (float32;
+    :func:`distnorm._fused.cbn_param_grads_composite`)."""
+    channels = s1.shape[0]
+    sums, grad_weight, grad_bias = torch.empty(2, channels), torch.empty(channels), torch.empty(channels)
+    library().cbn_param_grads_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (
+        s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), sums, grad_weight, grad_bias)),
+        ctypes.c_int64(channels), ctypes.c_float(inv_rho))
+    return sums, grad_weight, grad_bias
+
+
+def shift_slope(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The CPU kernel of ``distnorm::shift_slope`` (float32;
+    :func:`distnorm._fused.shift_slope_composite`)."""
+    channels = sums.shape[1]
+    shift, slope, w = (torch.empty(channels) for _ in range(3))
+    count = torch.empty(1, dtype=torch.int32)
+    library().shift_slope_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (
+        grad_coef.contiguous(), sums.contiguous(), shift, slope, w, count)), ctypes.c_int64(channels))
+    return shift, slope, w, count
 
 
 def memory_format(t: Tensor) -> torch.memory_format:

@@ -521,13 +521,16 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
         # (kernel contract: no empty input; fresh zeros, since they become gradients)
         t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()
 
-    triton = _fused.triton_decision(state.group(), x.device)  # what the forward's group agreed
+    # What the forward's group agreed: Triton's kernels, the CPU's C kernels, or neither.
+    triton = _fused.triton_decision(state.group(), x.device)
+    cpu_kernel = _fused.cpu_kernel_decision(state.group(), x.device)
+    kernel = "triton" if triton else "cpu" if cpu_kernel else "composite"
     if state.kind == "bn":
         sums = torch.stack([s1_local, t_local])
         grad_weight, grad_bias = t_local, s1_local
     else:  # one fused operator: [S1, T], dgamma, dbeta (local sums; see distnorm._fused)
         sums, grad_weight, grad_bias = torch.ops.distnorm.cbn_param_grads(
-            s1_local, t_local, beta_coef, grad_scale, 1.0 / state.rho, triton)
+            s1_local, t_local, beta_coef, grad_scale, 1.0 / state.rho, kernel)
 
     if not need_input_grad:
         return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias
@@ -536,10 +539,9 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     # averages them, exactly as for torch.nn.SyncBatchNorm.
     _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}",
                                 shape=(channels, x.dtype))
-    shift, slope, w, count = torch.ops.distnorm.shift_slope(grad_coef, sums, triton)  # r_mu S1, q T, w, [n]
+    shift, slope, w, count = torch.ops.distnorm.shift_slope(grad_coef, sums, kernel)  # r_mu S1, q T, w, [n]
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
-    cpu_kernel = _fused.cpu_kernel_decision(state.group(), x.device)  # what the forward's group agreed
     return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), cpu_kernel), grad_weight, grad_bias
 
 

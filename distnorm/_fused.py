@@ -635,11 +635,15 @@ def cbn_param_grads_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_sca
 
 
 def cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, inv_rho: float,
-                    triton: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The kernel of ``distnorm::cbn_param_grads`` (:func:`cbn_param_grads_composite`)."""
-    if triton and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale):
-        return _launch("cbn_param_grads", s1.device, lambda k: k.cbn_param_grads(
-            s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), inv_rho))
+                    kernel: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel of ``distnorm::cbn_param_grads`` (:func:`cbn_param_grads_composite`;
+    ``kernel`` as for :func:`cbn_plan`)."""
+    if kernel != "composite" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale):
+        if kernel == "triton":
+            return _launch("cbn_param_grads", s1.device, lambda k: k.cbn_param_grads(
+                s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), inv_rho))
+        if kernel == "cpu" and s1.device.type == "cpu":
+            return _cpu_kernels.cbn_param_grads(s1, t, beta_coef, grad_scale, inv_rho)
     return cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
 
 
@@ -655,9 +659,13 @@ def shift_slope_composite(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tens
     return shift, slope.clone(), grad_coef[1, 0].clone(), grad_coef[1, 1, :1].to(torch.int32)
 
 
-def shift_slope(grad_coef: Tensor, sums: Tensor, triton: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The kernel of ``distnorm::shift_slope`` (:func:`shift_slope_composite`)."""
-    if triton and sums.dtype == torch.float32 and _on_one_device(sums, grad_coef):
-        return _launch("shift_slope", sums.device,
-                       lambda k: k.shift_slope(grad_coef.contiguous(), sums.contiguous()))
+def shift_slope(grad_coef: Tensor, sums: Tensor, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernel of ``distnorm::shift_slope`` (:func:`shift_slope_composite`; ``kernel`` as
+    for :func:`cbn_plan`)."""
+    if kernel != "composite" and sums.dtype == torch.float32 and _on_one_device(sums, grad_coef):
+        if kernel == "triton":
+            return _launch("shift_slope", sums.device,
+                           lambda k: k.shift_slope(grad_coef.contiguous(), sums.contiguous()))
+        if kernel == "cpu" and sums.device.type == "cpu":
+            return _cpu_kernels.shift_slope(grad_coef, sums)
     return shift_slope_composite(grad_coef, sums)

@@ -205,8 +205,8 @@ MUTANTS: list[Mutant] = [
         "monitored-rank-takes-composite",
         "every rank takes the same arithmetic path: a rank with theory monitors too",
         "distnorm/_functions.py",
-        "                                                 state.amat_ready, triton))\n",
-        "                                                 state.amat_ready, triton and state.stats_sink is None))\n",
+        "                                                 state.amat_ready, plan_kernel))\n",
+        "                                                 state.amat_ready, plan_kernel if state.stats_sink is None else \"composite\"))\n",
         (f"{LD}::test_a_monitored_rank_runs_the_arithmetic_of_the_others",),
     ),
     Mutant(
@@ -1096,6 +1096,22 @@ MUTANTS: list[Mutant] = [
         "    off = device.type == \"cpu\" and cpu == _OFF\n",
         "    off = False\n",
         ("tests/test_fused.py::test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank",),
+    ),
+    Mutant(
+        "cpu-plan-kernel-formula",
+        "the CPU's C kernel of CBN's per-channel step computes the composite's values",
+        "distnorm/_cpu_kernels.py",
+        "            d = beta - delta * eta;\n",
+        "            d = beta + delta * eta;\n",
+        ("tests/test_fused.py::test_cpu_plan_kernel_equals_composite",),
+    ),
+    Mutant(
+        "cpu-param-grads-kernel-formula",
+        "the CPU's C kernels of the backward's per-channel operators compute the composite's values",
+        "distnorm/_cpu_kernels.py",
+        "        grad_bias[c] = (s1[c] + (-1.0f * beta_coef[c]) * t[c]) * a[c];\n",
+        "        grad_bias[c] = (s1[c] + beta_coef[c] * t[c]) * a[c];\n",
+        ("tests/test_fused.py::test_cpu_backward_kernels_equal_composite",),
     ),
     Mutant(
         "cpu-kernel-built-at-first-use",

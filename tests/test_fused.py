@@ -134,14 +134,27 @@ def test_cpu_plan_kernel_equals_composite(case):
         _assert_close(kernel_args[BUFFERS], args[BUFFERS])
 
 
+def test_cpu_backward_kernels_equal_composite():
+    """The C kernels of ``distnorm::cbn_param_grads`` and ``shift_slope`` against the
+    composite. Bugs caught: a swapped or mis-scaled gradient, the count not truncated as
+    ``.to(int32)``."""
+    g = torch.Generator().manual_seed(1)
+    s1, t, beta_coef, a = (torch.randn(C, generator=g) for _ in range(4))
+    _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, "cpu"),
+                  _fused.cbn_param_grads_composite(s1, t, beta_coef, a, 1 / 1.5))
+    coef, sums = torch.randn(2, 2, C, generator=g), torch.randn(2, C, generator=g)
+    coef[1, 1] = 300.0
+    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, "cpu"), _fused.shift_slope_composite(coef, sums))
+
+
 def test_triton_backward_kernels_equal_composite(interpreted):
     g = torch.Generator().manual_seed(1)
     s1, t, beta_coef, a = (torch.randn(C, generator=g) for _ in range(4))
     _assert_close(interpreted.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, kernels=interpreted.KERNELS),
-                  torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, False))
+                  torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, "composite"))
     coef, sums = torch.randn(2, 2, C, generator=g), torch.randn(2, C, generator=g)
     _assert_close(interpreted.shift_slope(coef, sums, kernels=interpreted.KERNELS),
-                  torch.ops.distnorm.shift_slope(coef, sums, False))
+                  torch.ops.distnorm.shift_slope(coef, sums, "composite"))
 
 
 @pytest.fixture
@@ -257,8 +270,8 @@ def test_operators_are_well_formed_for_torch_compile():
         torch.library.opcheck(torch.ops.distnorm.cbn_plan.default, _op_args(_plan_args(**CASES[case]), "composite"))
     s1, t = torch.randn(C), torch.randn(C)
     torch.library.opcheck(torch.ops.distnorm.cbn_param_grads.default,
-                          (s1, t, torch.randn(C), torch.rand(C), 0.5, False))
-    torch.library.opcheck(torch.ops.distnorm.shift_slope.default, (torch.randn(2, 2, C), torch.randn(2, C), False))
+                          (s1, t, torch.randn(C), torch.rand(C), 0.5, "composite"))
+    torch.library.opcheck(torch.ops.distnorm.shift_slope.default, (torch.randn(2, 2, C), torch.randn(2, C), "composite"))
 
 
 @pytest.mark.cuda
@@ -277,10 +290,10 @@ def test_cuda_fused_operators_equal_composite(case):
     _assert_close([x.cpu() for x in list(got) + op_args[BUFFERS]],
                   [x.cpu() for x in list(want) + composite_args[BUFFERS]])
     s1, t, beta_coef, a = (torch.randn(C, device="cuda") for _ in range(4))
-    _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 0.5, True),
+    _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 0.5, "triton"),
                   _fused.cbn_param_grads_composite(s1, t, beta_coef, a, 0.5))
     coef, sums = torch.randn(2, 2, C, device="cuda"), torch.randn(2, C, device="cuda")
-    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, True), _fused.shift_slope_composite(coef, sums))
+    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, "triton"), _fused.shift_slope_composite(coef, sums))
 
 
 # ------------------------------------------- the backward's element-wise pass (one kernel)
