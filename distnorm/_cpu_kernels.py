@@ -1,6 +1,8 @@
 """The CPU kernels of distnorm: the backward's element-wise pass (ATen's CUDA
-``batch_norm_backward_elemt``, which the CPU does not have) and the forward's statistics
-(ATen's own arithmetic, in fewer cycles).
+``batch_norm_backward_elemt``, which the CPU does not have), the forward's statistics
+(ATen's own arithmetic, in fewer cycles), and CBN's per-channel steps (``cbn_plan``,
+``cbn_param_grads``, ``shift_slope``: the Triton kernels' programs, one loop each instead
+of some thirty ATen calls on C-sized vectors).
 
 A synchronized layer's input gradient is, per channel ``c`` (module plan of
 :mod:`distnorm._functions`)::

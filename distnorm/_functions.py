@@ -69,7 +69,9 @@ Operators. Every operator of distnorm is declared here, through one
   the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
 * ``distnorm::cbn_plan``, ``cbn_param_grads``, ``shift_slope``: the per-channel steps, one
   operator each in every mode (kernels: :mod:`distnorm._fused`), so a GPU launches one
-  kernel where ATen would launch some thirty.
+  kernel where ATen would launch some thirty, and a CPU runs one C loop
+  (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
+  ``"triton"``, ``"cpu"``), as the group agreed.
 
 The operators run with autograd off (inside the statistics step and the hand-written
 backward), so none needs an autograd formula; declaring them on a
