@@ -32,8 +32,9 @@ identical on every rank drift apart.
 Whether Triton runs is therefore agreed by the group, once, through the all-reduce a layer
 already issues: at the group's first synchronized CBN / BN / BNP step on a device type (of a
 layer of more than 4 channels), each rank votes (:func:`triton_vote`: Triton works here /
-failed / neither; and on the CPU, whether its C kernels are on and build: :func:`cpu_kernel_decision`), the vote rides in the values of that all-reduce (added to the counts and taken
-out again, exactly: no byte more), and every rank reads the same sums
+failed / neither; and on the CPU, whether its C kernels are on and build:
+:func:`cpu_kernel_decision`), the vote rides in the values of that all-reduce (added to the
+counts and taken out again, exactly: no byte more), and every rank reads the same sums
 (:func:`triton_decision`). Until then the group runs the composite, on every rank alike.
 
 * every rank works: Triton, on every rank;
@@ -458,7 +459,8 @@ def triton_vote(group: ProcessGroup | None, device: torch.device, channels: int)
 
 def cpu_kernel_decision(group: ProcessGroup | None, device: torch.device) -> bool:
     """Whether a layer synchronizing over ``group`` runs distnorm's C kernels on ``device``
-    (the statistics and the backward's element-wise pass, :mod:`distnorm._cpu_kernels`).
+    (the statistics, the per-channel operators and the backward's element-wise pass,
+    :mod:`distnorm._cpu_kernels`).
 
     Without a group: this process's own setting (``DISTNORM_CPU_KERNEL``; a kernel that
     cannot be built raises at its first use, on this rank only, as no other rank computes
