@@ -122,8 +122,10 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
             counts[variant] = {"collectives": len(counter), "bytes": sum(counter.nbytes),
                                "kinds": sorted({op for op, _ in counter.calls})}
             mem[variant] = training_memory_bytes(ddp, opt, lambda ddp=ddp: loss_fn(ddp(x), y), device)
-        for _ in range(repeats):
-            for variant, (_, _, step) in runs.items():
+        names = list(runs)
+        for i in range(repeats):  # each round one variant later (bench/_common.interleaved_times says why)
+            for variant in names[i % len(names):] + names[:i % len(names)]:
+                step = runs[variant][2]
                 dist.barrier()
                 if cuda:
                     torch.cuda.synchronize(device)
