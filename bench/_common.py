@@ -82,8 +82,8 @@ def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, device: 
     """Seconds of every call of each function, timed round-robin (round ``i`` of each list
     ran together). Each round starts one function later than the one before (round ``i``
     runs them from the ``i mod k``-th on): which function runs after which changes what
-    the caches and the allocator hand it, by up to 15 % for memory-bound layers on the
-    CPU, so no function keeps one neighbour (``docs/reference/benchmarks.md``).
+    the caches and the allocator hand it, for memory-bound layers on the CPU more than the
+    layers differ, so no function keeps one neighbour (``docs/reference/benchmarks.md``).
     ``before``: run, untimed, before each timed call (e.g. evicting the caches)."""
     for _ in range(warmup):
         for fn in fns.values():

@@ -22,21 +22,9 @@ import statistics
 import time
 
 import torch
-from torch import nn
 
 from _common import interleaved_times, machine, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
-
-import distnorm
-
-LR = 0.01  # eta = 0.9: CBN's AMAT history path, as bench/layers.py
-
-
-def _layers(channels: int) -> dict[str, nn.Module]:
-    layers = {"batchnorm2d": nn.BatchNorm2d(channels), "cbn": distnorm.CBN(channels),
-              "popnorm": distnorm.POPNorm(channels), "syncbn": distnorm.SyncBatchNorm(channels)}
-    for layer in layers.values():
-        distnorm.set_lr(layer, LR)
-    return layers
+from layers import LR, layer_steps, make_layers
 
 
 def _summary(times: dict[str, list[float]]) -> dict:
@@ -46,20 +34,10 @@ def _summary(times: dict[str, list[float]]) -> dict:
 
 
 def measure(shape: tuple[int, ...], channels_last: bool, repeats: int, evict_bytes: int) -> dict:
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x = (torch.randn(*shape) * 2 + 0.5).to(memory_format=fmt).requires_grad_()
-    grad = torch.randn(*shape).to(memory_format=fmt)
-    layers = _layers(shape[1])
-    for layer in layers.values():  # AMAT initialised: every timed CBN step uses history
-        layer(x.detach())
-
-    def step(layer):
-        def run():
-            x.grad = None
-            layer(x).backward(grad)
-        return run
-
-    steps = {name: step(layer) for name, layer in layers.items()}
+    cpu = torch.device("cpu")
+    layers = make_layers(shape[1], cpu)
+    del layers["naive_cbn"]  # the test reference: bench/layers.py times it
+    steps, _, _ = layer_steps(layers, shape, channels_last, cpu)
     back_to_back = {}
     for name, fn in steps.items():
         fn(), fn()  # warm-up
@@ -69,7 +47,6 @@ def measure(shape: tuple[int, ...], channels_last: bool, repeats: int, evict_byt
             fn()
             back_to_back[name].append(time.perf_counter() - start)
     scratch = torch.empty(evict_bytes, dtype=torch.uint8)
-    cpu = torch.device("cpu")
     return {
         "shape": list(shape), "memory_format": "channels_last" if channels_last else "contiguous",
         "repeats": repeats, "evict_bytes": evict_bytes,

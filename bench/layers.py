@@ -28,6 +28,7 @@ import statistics
 import tempfile
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -95,13 +96,14 @@ def dispatched_ops(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> dic
     return {"ops": len(counter), "activation_passes": counter.passes, "host_syncs": counter.host_syncs}
 
 
-def time_layers(shape, device, repeats) -> dict:
-    *shape, layout = shape if isinstance(shape[-1], str) else (*shape, "contiguous")
-    layers = make_layers(shape[1], device)
-    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+def layer_steps(layers: dict[str, nn.Module], shape, channels_last: bool,
+                device: torch.device) -> tuple[dict[str, Callable[[], None]], torch.Tensor, torch.Tensor]:
+    """One training step (forward + backward) of each layer on one input: ``(steps, x, grad)``.
+    Each layer runs once first, so CBN's AMAT is initialised and every timed step uses history."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = (torch.randn(*shape, device=device) * 2 + 0.5).to(memory_format=fmt).requires_grad_()
     grad = torch.randn(*shape, device=device).to(memory_format=fmt)
-    for layer in layers.values():  # initialise AMAT so every timed step uses history
+    for layer in layers.values():
         layer(x.detach())
 
     def step(layer):
@@ -110,7 +112,14 @@ def time_layers(shape, device, repeats) -> dict:
             layer(x).backward(grad)
         return run
 
-    times = interleaved_times({name: step(layer) for name, layer in layers.items()}, repeats, device)
+    return {name: step(layer) for name, layer in layers.items()}, x, grad
+
+
+def time_layers(shape, device, repeats) -> dict:
+    *shape, layout = shape if isinstance(shape[-1], str) else (*shape, "contiguous")
+    layers = make_layers(shape[1], device)
+    steps, x, grad = layer_steps(layers, shape, layout == "channels_last", device)
+    times = interleaved_times(steps, repeats, device)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     base = medians["batchnorm2d"]
     return {

@@ -98,12 +98,7 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
     """
     if replay and in_backward() and len(state.stash):
         return state.stash.pop(h.shape, f"BNP '{state.name}'")
-    group = state.group()
-    votes = _fused.triton_vote(group, h.device, h.shape[1])  # the group's first step: agree on the kernels
-    moments = _collectives.global_moments(h, group, layer=f"BNP '{state.name}'", piggyback=votes,
-                                          cpu_kernel=_fused.cpu_kernel_decision(group, h.device))
-    if votes is not None:
-        _fused.triton_decision(group, h.device, votes)
+    moments = _fused.synced_moments(h, state.group(), f"BNP '{state.name}'")  # at the group's first step: its vote
     count, batch_mean, batch_var, _ = moments
     local = h.numel() // h.shape[1] if h.shape[1] else 0
     cfg = state.config

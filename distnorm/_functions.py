@@ -381,11 +381,7 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
     """
     running_mean, running_var, num_batches_tracked = buffers
     group = state.group()
-    votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
-    moments = _collectives.global_moments(x, group, layer=state.name, piggyback=votes,
-                                          cpu_kernel=_fused.cpu_kernel_decision(group, x.device))
-    if votes is not None:
-        _fused.triton_decision(group, x.device, votes)  # kept for the backward's shift_slope
+    moments = _fused.synced_moments(x, group, state.name)  # at the group's first step: its kernel vote
     mean, var, count = moments.mean, moments.var, moments.count
     acc = mean.dtype
     channels = mean.shape[0]
@@ -413,12 +409,8 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     gives the maths). ``state.history`` says whether ``eta`` is > 0.
     """
     group = state.group()
-    votes = _fused.triton_vote(group, x.device, x.shape[1])  # the group's first step: agree on the kernels
-    cpu_kernel = _fused.cpu_kernel_decision(group, x.device)  # before the vote: ATen's and the composite at the vote
-    count, mean, var, valid = _collectives.global_moments(x, group, layer=state.name, piggyback=votes,
-                                                          cpu_kernel=cpu_kernel)
-    triton = _fused.triton_decision(group, x.device, votes)
-    plan_kernel = "triton" if triton else "cpu" if cpu_kernel else "composite"
+    count, mean, var, valid = _fused.synced_moments(x, group, state.name)  # at the group's first step: its vote
+    plan_kernel = _fused.kernel_choice(group, x.device)
     if isinstance(count, int):
         host_count, moments = count, [mean, var]
     else:
@@ -523,10 +515,7 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
         # (kernel contract: no empty input; fresh zeros, since they become gradients)
         t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()
 
-    # What the forward's group agreed: Triton's kernels, the CPU's C kernels, or neither.
-    triton = _fused.triton_decision(state.group(), x.device)
-    cpu_kernel = _fused.cpu_kernel_decision(state.group(), x.device)
-    kernel = "triton" if triton else "cpu" if cpu_kernel else "composite"
+    kernel = _fused.kernel_choice(state.group(), x.device)  # what the forward's group agreed
     if state.kind == "bn":
         sums = torch.stack([s1_local, t_local])
         grad_weight, grad_bias = t_local, s1_local
@@ -544,6 +533,8 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     shift, slope, w, count = torch.ops.distnorm.shift_slope(grad_coef, sums, kernel)  # r_mu S1, q T, w, [n]
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
+    # The C pass wherever the group agreed on the C kernels (also where Triton's interpreter runs the operators).
+    cpu_kernel = _fused.cpu_kernel_decision(state.group(), x.device)
     return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), cpu_kernel), grad_weight, grad_bias
 
 

@@ -87,9 +87,9 @@ from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm._collectives import ProcessGroup, constant
 
 __all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_param_grads_composite", "cbn_plan", "cbn_plan_composite",
-           "cpu_kernel_decision", "grad_coef_of", "interpreted_kernels", "load_interpreted", "shift_slope",
-           "shift_slope_composite", "to_dtype", "triton_decision", "triton_enabled", "triton_state", "triton_vote",
-           "update_running"]
+           "cpu_kernel_decision", "grad_coef_of", "interpreted_kernels", "kernel_choice", "load_interpreted",
+           "shift_slope", "shift_slope_composite", "synced_moments", "to_dtype", "triton_decision", "triton_enabled",
+           "triton_state", "triton_vote", "update_running"]
 
 
 # ------------------------------------------------------------------------- helpers
@@ -473,6 +473,30 @@ def cpu_kernel_decision(group: ProcessGroup | None, device: torch.device) -> boo
     if group is None:
         return cpu_kernel_enabled()
     return _CPU_KERNEL_AGREED.get(group, False)
+
+
+def synced_moments(x: Tensor, group: ProcessGroup | None, layer: str) -> _collectives.Moments:
+    """A synchronized layer's statistics (:func:`distnorm._collectives.global_moments`) with
+    the group's agreement on the kernels: at the group's first step on ``x``'s device type the
+    ranks' votes (:func:`triton_vote`) ride on that all-reduce, whose local statistics are then
+    ATen's on every rank (nothing is agreed yet), and every rank decides right after it
+    (:func:`triton_decision`, raising alike where a rank's kernels failed); later steps run the
+    kernels agreed. The one way every layer (CBN, BN, BNP) enters its statistics step."""
+    votes = triton_vote(group, x.device, x.shape[1])
+    moments = _collectives.global_moments(x, group, layer=layer, piggyback=votes,
+                                          cpu_kernel=cpu_kernel_decision(group, x.device))
+    if votes is not None:
+        triton_decision(group, x.device, votes)
+    return moments
+
+
+def kernel_choice(group: ProcessGroup | None, device: torch.device) -> str:
+    """Which implementation the per-channel operators run for a layer synchronizing over
+    ``group`` on ``device``, as the group agreed (their last argument): ``"triton"``
+    (:func:`triton_decision`), ``"cpu"`` (:func:`cpu_kernel_decision`) or ``"composite"``."""
+    if triton_decision(group, device):
+        return "triton"
+    return "cpu" if cpu_kernel_decision(group, device) else "composite"
 
 
 def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Optional[Tensor] = None) -> bool:

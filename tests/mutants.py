@@ -212,9 +212,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-chosen-per-process",
         "every rank takes the same arithmetic path: whether Triton runs is agreed by the group",
-        "distnorm/_functions.py",
-        "    triton = _fused.triton_decision(group, x.device, votes)\n",
-        "    triton = _fused.triton_decision(group, x.device, votes) or _fused.triton_decision(None, x.device)\n",
+        "distnorm/_fused.py",
+        "    if triton_decision(group, device):\n",
+        "    if triton_decision(group, device) or triton_decision(None, device):\n",
         (f"{LD}::test_ranks_that_differ_on_triton_agree_on_the_composite",),
     ),
     Mutant(
@@ -277,8 +277,8 @@ MUTANTS: list[Mutant] = [
         "bnp-local-moments",
         "BNP moments from all-reduced statistics: 2 ranks equal 1 process",
         "distnorm/_bnp_functions.py",
-        "    moments = _collectives.global_moments(h, group, layer=f\"BNP '{state.name}'\", piggyback=votes,\n",
-        "    moments = _collectives.global_moments(h, None, layer=f\"BNP '{state.name}'\", piggyback=votes,\n",
+        "    moments = _fused.synced_moments(h, state.group(), f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
+        "    moments = _fused.synced_moments(h, None, f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
         ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
     ),
     # ------------------------------------------------------------ kernel contracts, host syncs

@@ -277,12 +277,12 @@ def _arithmetic_model() -> nn.Module:
 ARITHMETIC_LRS = [0.2, 0.2, 0.05, 0.02, 0.01, 0.01, 0.005, 0.2, 0.01, 0.002]  # eta 0, 0.5, ..., 0.98
 
 
-def _same_arithmetic_worker(rank, world, modes, monitor_rank=None, break_rank=None):
-    """Train the small CNN under DDP with this rank's ``DISTNORM_TRITON``; the theory
-    monitor on ``monitor_rank`` only; ``break_rank``'s Triton a real one that cannot run
-    here (Triton's compiled kernels on CPU tensors, no GPU driver) in place of the
-    interpreter. Returns the buffers, what this rank ran, its warnings and records — or the
-    error it raised, for the ranks that must raise."""
+def _same_arithmetic_worker(rank, world, modes, monitor_rank=None, break_rank=None, cpu_kernel="1"):
+    """Train the small CNN under DDP with this rank's ``DISTNORM_TRITON`` (and every rank's
+    ``DISTNORM_CPU_KERNEL``); the theory monitor on ``monitor_rank`` only; ``break_rank``'s
+    Triton a real one that cannot run here (Triton's compiled kernels on CPU tensors, no GPU
+    driver) in place of the interpreter. Returns the buffers, what this rank ran, its
+    warnings and records — or the error it raised, for the ranks that must raise."""
     import importlib
     import os
     import warnings
@@ -291,6 +291,7 @@ def _same_arithmetic_worker(rank, world, modes, monitor_rank=None, break_rank=No
     from distnorm.monitors import TheoryMonitor
 
     os.environ["DISTNORM_TRITON"] = modes[rank]
+    os.environ["DISTNORM_CPU_KERNEL"] = cpu_kernel
     if rank == break_rank:
         _fused.interpreted_kernels = lambda: importlib.import_module("distnorm._triton")
     model = _arithmetic_model()
@@ -340,9 +341,11 @@ def test_ranks_that_differ_on_triton_agree_on_the_composite(tmp_path):
     """One rank would run Triton, the other has ``DISTNORM_TRITON=0``: the group agrees, at
     its first step and in the collective it issues anyway, on the composite for both (rank 0
     warns, naming rank 1), and their buffers stay bit-identical. Bug caught: each process
-    choosing its kernels alone (a per-process Triton fallback does the same)."""
+    choosing its kernels alone (a per-process Triton fallback does the same). The CPU's C
+    kernels are off on both ranks: they run Triton's program and can give its bits, where
+    ATen's composite, which this group agrees on, does not."""
     pytest.importorskip("triton")
-    r0, r1 = run_distributed(_same_arithmetic_worker, 2, tmp_path, ("interpret", "0"), timeout=240)
+    r0, r1 = run_distributed(_same_arithmetic_worker, 2, tmp_path, ("interpret", "0"), cpu_kernel="0", timeout=240)
     for r in (r0, r1):
         assert not r["state"][0] and "rank 1: off: DISTNORM_TRITON=0" in r["state"][1], r["state"]
     assert len(r0["warnings"]) == 1 and "the composite on all 2 ranks" in r0["warnings"][0], r0["warnings"]

@@ -5,11 +5,11 @@ per-member Python work is a visible share of a training pass's time per image (f
 ``docs/reference/benchmarks.md``). The shards ``distnorm-shards`` writes are plain ustar
 (regular members, integer fields, no PAX or GNU extension headers), which
 :func:`tar_members` reads from the same stream with less work per member: one 512-byte
-header read, its checksum, name and size, then the data. At the first block that is anything else — a compressed stream, a PAX or GNU
-extension header, a pre-POSIX header — it hands the rest of the stream, that block
-included, to WebDataset's ``tarfile`` reader, so every shard reads as before; only where the
-two differ on a broken shard is this stricter: a shard that ends inside a header raises
-(``tarfile`` takes it for the end of the archive).
+header read, its checksum, name and size, then the data. At the first block that is
+anything else — a compressed stream, a PAX or GNU extension header, a pre-POSIX header —
+it hands the rest of the stream, that block included, to WebDataset's ``tarfile`` reader, so
+every shard reads as before; only where the two differ on a broken shard is this stricter: a
+shard that ends inside a header raises (``tarfile`` takes it for the end of the archive).
 
 Opening the URLs (``pipe:``, ``file:``, local paths) and grouping the members into samples
 by key stay WebDataset's (``url_opener``, ``group_by_keys``), as do the error handler's
