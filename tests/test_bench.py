@@ -341,3 +341,30 @@ def test_bench_decode_quick(tmp_path, monkeypatch):
                                   "decode": {"status": "ran", "command": "python bench/decode_gpu.py", "result": result},
                                   "step_compile": {"status": "skipped", "reason": "-"}}})
     assert "| deferred | " in md and "| pil_1_core | " in md
+
+
+# -------------------------------------------------- where a step's host time goes
+@pytest.mark.timeout(300)
+def test_profile_step_and_host_cost_name_what_runs(tmp_path, monkeypatch):
+    """bench/profile_step.py and bench/host_cost.py in their CPU sizes, in this process: every
+    figure a measurement, no device figures off CUDA, and the profiles name what really ran
+    (distnorm's operators and functions in CBN's step, none in local BatchNorm's)."""
+    profile_step = _bench_module("profile_step", monkeypatch)
+    result = profile_step.main(["--smoke", "--device", "cpu", "--variants", "local_bn", "cbn", "--repeats", "1",
+                                "--top", "60", "--json", str(tmp_path / "profile.json")])
+    steps = result["models"]["resnet20"]
+    assert list(steps) == ["local_bn", "cbn"] and json.loads((tmp_path / "profile.json").read_text()) == result
+    for r in steps.values():
+        _measured({"wall_ms": float(r["wall_ms"]), "host_ms": float(r["host_ms"])})
+        assert r["device_kernel_ms"] is None and r["kernels"] is None and r["device_kernels"] == []
+    ops = {name: {o["op"] for o in r["host_ops"]} for name, r in steps.items()}
+    assert {"distnorm::cbn_plan", "distnorm::cbn_param_grads"} <= ops["cbn"]
+    assert not any(op.startswith("distnorm::") for op in ops["local_bn"])
+
+    host_cost = _bench_module("host_cost", monkeypatch)
+    cost = host_cost.main(["--device", "cpu", "--iters", "3", "--rounds", "2", "--profile", "cbn", "--top", "80"])
+    assert list(cost["us_per_step"]) == ["batchnorm2d", "cbn", "popnorm", "syncbn"]
+    _measured({k: float(v) for k, v in cost["us_per_step"].items()})
+    assert cost["extra_us_vs_batchnorm2d"]["batchnorm2d"] == 0.0
+    assert cost["host_syncs"] == dict.fromkeys(cost["us_per_step"])  # the sync check is CUDA's
+    assert any("distnorm/_functions.py" in row["function"] for row in cost["profiles"]["cbn"])
