@@ -1,7 +1,7 @@
 """The CPU kernels of distnorm: the backward's element-wise pass (ATen's CUDA
 ``batch_norm_backward_elemt``, which the CPU does not have), the forward's statistics
 (ATen's own arithmetic, in fewer cycles), and CBN's per-channel steps (``cbn_plan``,
-``cbn_param_grads``, ``shift_slope``: the Triton kernels' programs, one loop each instead
+``backward_sums``: the Triton kernels' programs, one loop each instead
 of some thirty ATen calls on C-sized vectors).
 
 A synchronized layer's input gradient is, per channel ``c`` (module plan of
@@ -70,8 +70,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["SOURCE", "batch_norm_backward_elemt", "batch_norm_update_stats", "cbn_param_grads", "cbn_plan",
-           "cpu_kernel_enabled", "library", "memory_format", "shift_slope"]
+__all__ = ["SOURCE", "backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats", "cbn_plan",
+           "cpu_kernel_enabled", "library", "memory_format"]
 
 SOURCE = r"""
 #include <math.h>
@@ -243,23 +243,17 @@ void cbn_plan_f32(const float* mean, const float* var, const float* count, const
     nbt[0] = nbt_new;
 }
 
-/* The backward's per-channel operators (distnorm._fused's cbn_param_grads_composite and
-   shift_slope_composite), float32: sums = [S1, T], dgamma = T inv_rho, dbeta = (S1 - beta_coef T) a;
-   shift = r_mu S1, slope = q T, w, and the count as int32, from grad_coef = [[r_mu, q], [w, n]]. */
-void cbn_param_grads_f32(const float* s1, const float* t, const float* beta_coef, const float* a, float* sums,
-                         float* grad_weight, float* grad_bias, int64_t C, float inv_rho) {
+/* The backward's per-channel operator (distnorm._fused's backward_sums_composite), float32: from the local
+   S1, T and grad_coef = [[r_mu, q], [w, n]]: sums = [r_mu S1, q T], dgamma = T inv_rho,
+   dbeta = (S1 - beta_coef T) a, w, and the count as int32. */
+void backward_sums_f32(const float* s1, const float* t, const float* beta_coef, const float* a, const float* coef,
+                       float* sums, float* grad_weight, float* grad_bias, float* w, int32_t* count, int64_t C,
+                       float inv_rho) {
     for (int64_t c = 0; c < C; ++c) {
-        sums[c] = s1[c]; sums[C + c] = t[c];
+        sums[c] = coef[c] * s1[c];
+        sums[C + c] = coef[C + c] * t[c];
         grad_weight[c] = t[c] * inv_rho;
         grad_bias[c] = (s1[c] + (-1.0f * beta_coef[c]) * t[c]) * a[c];
-    }
-}
-
-void shift_slope_f32(const float* coef, const float* sums, float* shift, float* slope, float* w, int32_t* count,
-                     int64_t C) {
-    for (int64_t c = 0; c < C; ++c) {
-        shift[c] = coef[c] * sums[c];
-        slope[c] = coef[C + c] * sums[C + c];
         w[c] = coef[2 * C + c];
     }
     count[0] = (int32_t)coef[3 * C];
@@ -318,7 +312,7 @@ def library() -> ctypes.CDLL:
             if not target.exists():
                 _build(compiler, target)
     lib = ctypes.CDLL(str(target))
-    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32", "cbn_param_grads_f32", "shift_slope_f32"]:
+    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32", "backward_sums_f32"]:
         getattr(lib, name).restype = None
     return lib
 
@@ -405,27 +399,18 @@ def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffe
     return center, var_u, invstd, a, grad_coef, beta_coef
 
 
-def cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor,
-                    inv_rho: float) -> tuple[Tensor, Tensor, Tensor]:
-    """The CPU kernel of ``distnorm::cbn_param_grads`` (float32;
-    :func:`distnorm._fused.cbn_param_grads_composite`)."""
+def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
+                  inv_rho: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The CPU kernel of ``distnorm::backward_sums`` (float32;
+    :func:`distnorm._fused.backward_sums_composite`)."""
     channels = s1.shape[0]
-    sums, grad_weight, grad_bias = torch.empty(2, channels), torch.empty(channels), torch.empty(channels)
-    library().cbn_param_grads_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (
-        s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), sums, grad_weight, grad_bias)),
-        ctypes.c_int64(channels), ctypes.c_float(inv_rho))
-    return sums, grad_weight, grad_bias
-
-
-def shift_slope(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The CPU kernel of ``distnorm::shift_slope`` (float32;
-    :func:`distnorm._fused.shift_slope_composite`)."""
-    channels = sums.shape[1]
-    shift, slope, w = (torch.empty(channels) for _ in range(3))
+    sums = torch.empty(2, channels)
+    grad_weight, grad_bias, w = (torch.empty(channels) for _ in range(3))
     count = torch.empty(1, dtype=torch.int32)
-    library().shift_slope_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (
-        grad_coef.contiguous(), sums.contiguous(), shift, slope, w, count)), ctypes.c_int64(channels))
-    return shift, slope, w, count
+    library().backward_sums_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (
+        s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(), sums,
+        grad_weight, grad_bias, w, count)), ctypes.c_int64(channels), ctypes.c_float(inv_rho))
+    return sums, grad_weight, grad_bias, w, count
 
 
 def memory_format(t: Tensor) -> torch.memory_format:

@@ -29,9 +29,12 @@ forward (:func:`forward_output`, in :class:`NormalizeFunction`)
 backward (:func:`normalize_backward`)
     1. ATen's batch-norm backward computes the local sums ``S1 = sum(g)`` and
        ``T = sum(g * (x - center)) * invstd`` in one pass.
-    2. Parameter gradients from the local sums (the data-parallel engine averages them).
-    3. ONE all-reduce of ``[S1, T]`` (only if the input needs a gradient), then ONE pass
-       reading ``g`` and ``x`` and writing ``dx`` (:func:`backward_elemt`)::
+    2. Parameter gradients from the local sums (the data-parallel engine averages them),
+       and the local sums scaled for step 3, ``[r_mu S1, q T]``: ``r_mu`` and ``q`` are the
+       same on every rank, so the all-reduce of the scaled sums is the scaled global sums
+       (one operator, ``distnorm::backward_sums``).
+    3. ONE all-reduce of ``[r_mu S1, q T]`` (only if the input needs a gradient), then ONE
+       pass reading ``g`` and ``x`` and writing ``dx`` (:func:`backward_elemt`)::
 
            dx = a * (g - r_mu * S1 / n - (x - w) * q * T / n)
 
@@ -67,7 +70,7 @@ Operators. Every operator of distnorm is declared here, through one
   into a graph.
 * ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
   the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
-* ``distnorm::cbn_plan``, ``cbn_param_grads``, ``shift_slope``: the per-channel steps, one
+* ``distnorm::cbn_plan``, ``backward_sums``: the per-channel steps, one
   operator each in every mode (kernels: :mod:`distnorm._fused`), so a GPU launches one
   kernel where ATen would launch some thirty, and a CPU runs one C loop
   (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
@@ -250,7 +253,7 @@ class NormPlan(NamedTuple):
             unsynchronized BN, whose backward is ATen's own: there, the weight (ones without
             affine) that kernel takes.
         grad_coef: ``(2, 2, C)``, ``[[r_mu, q], [w, n]]``: with the global ``[S1, T]``, the
-            element-wise pass's coefficients (``distnorm::shift_slope``; zeros, unread, for
+            element-wise pass's coefficients (``distnorm::backward_sums``; zeros, unread, for
             unsynchronized BN).
         beta_coef: ``q * d`` of CBN's ``dbeta = a (S1 - q d T)`` (local sums); empty for BN.
     """
@@ -515,13 +518,17 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
         # (kernel contract: no empty input; fresh zeros, since they become gradients)
         t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()
 
+    # One fused operator (see distnorm._fused): the local sums scaled for the element-wise
+    # pass, [r_mu S1, q T], the local parameter gradients, the pass's w and count.
     kernel = _fused.kernel_choice(state.group(), x.device)  # what the forward's group agreed
-    if state.kind == "bn":
-        sums = torch.stack([s1_local, t_local])
+    if state.kind == "bn":  # ATen's sums are BN's parameter gradients; no beta term
+        sums, _, _, w, count = torch.ops.distnorm.backward_sums(
+            s1_local, t_local, _ZEROS.get((channels,), center.dtype, center.device),
+            constant(1.0, channels, center.dtype, center.device), grad_coef, 1.0, kernel)
         grad_weight, grad_bias = t_local, s1_local
-    else:  # one fused operator: [S1, T], dgamma, dbeta (local sums; see distnorm._fused)
-        sums, grad_weight, grad_bias = torch.ops.distnorm.cbn_param_grads(
-            s1_local, t_local, beta_coef, grad_scale, 1.0 / state.rho, kernel)
+    else:
+        sums, grad_weight, grad_bias, w, count = torch.ops.distnorm.backward_sums(
+            s1_local, t_local, beta_coef, grad_scale, grad_coef, 1.0 / state.rho, kernel)
 
     if not need_input_grad:
         return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias
@@ -530,18 +537,20 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     # averages them, exactly as for torch.nn.SyncBatchNorm.
     _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}",
                                 shape=(channels, x.dtype))
-    shift, slope, w, count = torch.ops.distnorm.shift_slope(grad_coef, sums, kernel)  # r_mu S1, q T, w, [n]
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
+    shift, slope = sums.unbind()  # r_mu S1, q T of the global batch
     # The C pass wherever the group agreed on the C kernels (also where Triton's interpreter runs the operators).
     cpu_kernel = _fused.cpu_kernel_decision(state.group(), x.device)
-    return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), cpu_kernel), grad_weight, grad_bias
+    return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), cpu_kernel), grad_weight, \
+        grad_bias
 
 
 def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequence[Tensor],
                    cpu_kernel: bool = False) -> Tensor:
     """``dx = a (g - shift / n - (x - w) slope / n)`` in ONE pass over ``g`` and ``x``
-    (``args``: ``(w, shift, slope, count)`` of ``distnorm::shift_slope``; ``a = grad_scale``).
+    (``args``: ``(w, shift, slope, count)``: ``w`` and ``count`` of ``distnorm::backward_sums``,
+    ``shift`` and ``slope`` its sums after the all-reduce; ``a = grad_scale``).
 
     That is ATen's CUDA ``batch_norm_backward_elemt`` with ``mean = w``, ``invstd = 1``,
     ``weight = a``, ``sum_dy = shift``, ``sum_dy_xmu = slope`` and ``count = [n]``, which
@@ -707,19 +716,13 @@ def _cbn_plan_fake(moments: list[Tensor], *_: Any) -> tuple[Tensor, ...]:
     return _plan_like(moments[0], moments[0].shape[0])
 
 
-def _cbn_param_grads_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor]:
-    return s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1)
-
-
-def _shift_slope_fake(grad_coef: Tensor, sums: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    channels = sums.shape[1]
-    return (sums.new_empty(channels), sums.new_empty(channels), sums.new_empty(channels),
-            sums.new_empty(1, dtype=torch.int32))
+def _backward_sums_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return (s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1), torch.empty_like(s1),
+            s1.new_empty(1, dtype=torch.int32))
 
 
 _define("cbn_plan", _fused.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
-_define("cbn_param_grads", _fused.cbn_param_grads, _cbn_param_grads_fake)
-_define("shift_slope", _fused.shift_slope, _shift_slope_fake)
+_define("backward_sums", _fused.backward_sums, _backward_sums_fake)
 
 
 # The backward's element-wise pass on the CPU (kernel: distnorm._cpu_kernels), with the schema

@@ -10,15 +10,16 @@ others in :mod:`distnorm._functions`, whose kernel is the function of the same n
     The statistics' finalize: from the global ``(mean, var, count)`` to the plan
     ``(center, var_U, invstd, a, grad_coef, beta_coef)``, and the AMAT and running buffers
     updated in place (see :func:`cbn_plan_composite` for the maths).
-``distnorm::cbn_param_grads`` (:func:`cbn_param_grads`)
-    The backward's local step: ``sums = [S1, T]`` for the all-reduce, and the local
-    parameter gradients ``dgamma = T / rho``, ``dbeta = a (S1 - q d T)``.
-``distnorm::shift_slope`` (:func:`shift_slope`)
-    The backward's global step: from ``grad_coef = [[r_mu, q], [w, n]]`` and the global
-    ``sums = [S1, T]``, the per-channel arguments of the element-wise pass ``dx = a (g -
-    shift / n - (x - w) slope / n)``: ``shift = r_mu S1``, ``slope = q T``, ``w`` and ``n``
-    (an int32 ``(1,)`` tensor) — exactly the arguments of ATen's CUDA kernel
-    ``batch_norm_backward_elemt`` (and of its CPU twin, :mod:`distnorm._cpu_kernels`).
+``distnorm::backward_sums`` (:func:`backward_sums`)
+    The backward's per-channel step, between ATen's reduction and the all-reduce: from the
+    local sums ``S1 = sum(g)``, ``T`` and ``grad_coef = [[r_mu, q], [w, n]]``, the sums the
+    all-reduce completes already scaled, ``[r_mu S1, q T]`` (``r_mu`` and ``q`` come from
+    the global statistics, the same on every rank, so the all-reduce of the scaled local
+    sums gives ``shift = r_mu S1`` and ``slope = q T`` of the global batch with no step
+    after it), the local parameter gradients ``dgamma = T / rho``, ``dbeta = a (S1 - q d
+    T)``, ``w`` and ``n`` (an int32 ``(1,)`` tensor): exactly the arguments of ATen's CUDA kernel ``batch_norm_backward_elemt`` (and of its CPU
+    twin, :mod:`distnorm._cpu_kernels`) for the element-wise pass ``dx = a (g - shift / n -
+    (x - w) slope / n)``.
 
 Each operator has two implementations: the ATen composite below (the reference, and what
 runs on the CPU) and one Triton kernel (:mod:`distnorm._triton`, CUDA) for the supported
@@ -86,10 +87,10 @@ from distnorm import _collectives, _cpu_kernels
 from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm._collectives import ProcessGroup, constant
 
-__all__ = ["TritonState", "blend", "cbn_param_grads", "cbn_param_grads_composite", "cbn_plan", "cbn_plan_composite",
+__all__ = ["TritonState", "backward_sums", "backward_sums_composite", "blend", "cbn_plan", "cbn_plan_composite",
            "cpu_kernel_decision", "grad_coef_of", "interpreted_kernels", "kernel_choice", "load_interpreted",
-           "shift_slope", "shift_slope_composite", "synced_moments", "to_dtype", "triton_decision", "triton_enabled",
-           "triton_state", "triton_vote", "update_running"]
+           "synced_moments", "to_dtype", "triton_decision", "triton_enabled", "triton_state", "triton_vote",
+           "update_running"]
 
 
 # ------------------------------------------------------------------------- helpers
@@ -100,7 +101,7 @@ def to_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 
 def grad_coef_of(r_mu: Tensor, q: Tensor, w: Tensor, count: int | Tensor) -> Tensor:
     """``[[r_mu, q], [w, n]]`` as a ``(2, 2, C)`` tensor: the backward's per-channel
-    coefficients (:func:`shift_slope_composite`), ``n`` the global count (a host count, at
+    coefficients (:func:`backward_sums_composite`), ``n`` the global count (a host count, at
     least 1, or the device's per-channel count)."""
     if isinstance(count, int):
         count = constant(float(max(count, 1)), q.shape[0], q.dtype, q.device)
@@ -357,11 +358,9 @@ def _probe(kernels: ModuleType, device: torch.device) -> None:
     got_buffers, want_buffers = buffers(), buffers()
     got = kernels.cbn_plan(moments, -1, params, got_buffers, hyper, 0.1)
     want = cbn_plan_composite(moments, -1, params, want_buffers, hyper, 0.1, True)
-    coef, sums = want[4], torch.stack([mean, var])
     pairs = [*zip(got, want), *zip(got_buffers, want_buffers),
-             *zip(kernels.cbn_param_grads(mean, var, weight, bias, 0.5),
-                  cbn_param_grads_composite(mean, var, weight, bias, 0.5)),
-             *zip(kernels.shift_slope(coef, sums), shift_slope_composite(coef, sums))]
+             *zip(kernels.backward_sums(mean, var, weight, bias, want[4], 0.5),
+                  backward_sums_composite(mean, var, weight, bias, want[4], 0.5))]
     for i, (g, w) in enumerate(pairs):
         if not torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6):
             raise RuntimeError(f"the Triton kernels differ from the ATen composite here (output {i}: "
@@ -501,8 +500,7 @@ def kernel_choice(group: ProcessGroup | None, device: torch.device) -> str:
 
 def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Optional[Tensor] = None) -> bool:
     """Whether the fused operators of a layer synchronizing over ``group`` run Triton on
-    ``device`` — the argument ``triton`` of :data:`cbn_plan`, :data:`cbn_param_grads` and
-    :data:`shift_slope`.
+    ``device`` — the argument ``triton`` of :data:`cbn_plan` and :data:`backward_sums`.
 
     ``votes``: the sums of every rank's :func:`triton_vote`, right after the collective that
     carried them; the group's answer is made and kept from them (raising on every rank when a
@@ -648,50 +646,38 @@ def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffe
     return cbn_plan_composite(moments, host_count, params, buffers, hyper, momentum, amat_ready)
 
 
-def cbn_param_grads_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor,
-                              inv_rho: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(sums, dgamma, dbeta)`` from the local sums ``S1 = sum(g)``, ``T``: ``sums = [S1, T]``
-    (for the backward all-reduce), ``dgamma = T / rho`` and SPEC §1.1's ``dbeta = a (S1 - q d
-    T)`` with the local/global roles exchanged — ``c_local * sum_global(x1)`` instead of
-    ``c_global * sum_local(x1)``: both are linear in the local sums and agree after the
-    data-parallel average, and this form needs no collective."""
-    sums = torch.stack([s1, t])
+def backward_sums_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
+                            inv_rho: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(sums, dgamma, dbeta, w, count)`` from the local sums ``S1 = sum(g)``, ``T`` and
+    ``grad_coef = [[r_mu, q], [w, n]]``:
+
+    * ``sums = [r_mu S1, q T]``, the local sums scaled for the element-wise pass: their
+      all-reduce gives its ``shift`` and ``slope`` (``r_mu`` and ``q`` are the global
+      statistics', the same on every rank; the sum of the scaled local sums equals the
+      scaled global sum up to rounding, and every rank gets the same bits from the
+      collective);
+    * ``dgamma = T / rho`` and SPEC §1.1's ``dbeta = a (S1 - q d T)`` with the local/global
+      roles exchanged — ``c_local * sum_global(x1)`` instead of ``c_global *
+      sum_local(x1)``: both are linear in the local sums and agree after the data-parallel
+      average, and this form needs no collective;
+    * ``w`` and ``count = [n]`` (int32), the element-wise pass's center and count: copies,
+      so that the pass reads its arguments without a view op per step.
+    """
+    sums = grad_coef[0] * torch.stack([s1, t])
     grad_bias = torch.addcmul(s1, beta_coef, t, value=-1.0).mul_(grad_scale)
-    return sums, t * inv_rho, grad_bias
+    # outputs of an operator may not share storage with its inputs
+    return sums, t * inv_rho, grad_bias, grad_coef[1, 0].clone(), grad_coef[1, 1, :1].to(torch.int32)
 
 
-def cbn_param_grads(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, inv_rho: float,
-                    kernel: str) -> tuple[Tensor, Tensor, Tensor]:
-    """The kernel of ``distnorm::cbn_param_grads`` (:func:`cbn_param_grads_composite`;
-    ``kernel`` as for :func:`cbn_plan`)."""
-    if kernel != "composite" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale):
+def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor, inv_rho: float,
+                  kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The kernel of ``distnorm::backward_sums`` (:func:`backward_sums_composite`; ``kernel``
+    as for :func:`cbn_plan`)."""
+    if kernel != "composite" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
         if kernel == "triton":
-            return _launch("cbn_param_grads", s1.device, lambda k: k.cbn_param_grads(
-                s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), inv_rho))
+            return _launch("backward_sums", s1.device, lambda k: k.backward_sums(
+                s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(),
+                inv_rho))
         if kernel == "cpu" and s1.device.type == "cpu":
-            return _cpu_kernels.cbn_param_grads(s1, t, beta_coef, grad_scale, inv_rho)
-    return cbn_param_grads_composite(s1, t, beta_coef, grad_scale, inv_rho)
-
-
-def shift_slope_composite(grad_coef: Tensor, sums: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(shift, slope, w, count)``: ``shift = r_mu S1``, ``slope = q T`` from the global
-    ``sums = [S1, T]`` and ``grad_coef = [[r_mu, q], [w, n]]``, ``count = [n]`` as int32 —
-    the arguments ``sum_dy``, ``sum_dy_xmu``, ``mean`` and ``count`` of ATen's CUDA
-    ``batch_norm_backward_elemt`` with ``invstd = 1`` and ``weight = a``, whose
-    ``(g - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) weight invstd`` is then the
-    input gradient of the module plan (:mod:`distnorm._functions`)."""
-    shift, slope = (grad_coef[0] * sums).unbind()
-    # outputs of an operator may not share storage
-    return shift, slope.clone(), grad_coef[1, 0].clone(), grad_coef[1, 1, :1].to(torch.int32)
-
-
-def shift_slope(grad_coef: Tensor, sums: Tensor, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The kernel of ``distnorm::shift_slope`` (:func:`shift_slope_composite`; ``kernel`` as
-    for :func:`cbn_plan`)."""
-    if kernel != "composite" and sums.dtype == torch.float32 and _on_one_device(sums, grad_coef):
-        if kernel == "triton":
-            return _launch("shift_slope", sums.device,
-                           lambda k: k.shift_slope(grad_coef.contiguous(), sums.contiguous()))
-        if kernel == "cpu" and sums.device.type == "cpu":
-            return _cpu_kernels.shift_slope(grad_coef, sums)
-    return shift_slope_composite(grad_coef, sums)
+            return _cpu_kernels.backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
+    return backward_sums_composite(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)

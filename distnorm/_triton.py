@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "KERNELS", "cbn_param_grads", "cbn_plan", "shift_slope"]
+__all__ = ["BLOCK", "KERNELS", "backward_sums", "cbn_plan"]
 
 #: Channels per block of the single program (a power of two; C > BLOCK loops).
 BLOCK = 1024
@@ -138,8 +138,8 @@ def _cbn_plan_kernel(
 
 
 @triton.jit  # its tensors as pointers, one by one (as _cbn_plan_kernel)
-def _cbn_param_grads_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, sums_ptr, grad_w_ptr, grad_b_ptr,
-                            C, inv_rho, BLOCK_C: tl.constexpr):
+def _backward_sums_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, coef_ptr, sums_ptr, grad_w_ptr, grad_b_ptr, w_ptr,
+                          count_ptr, C, inv_rho, BLOCK_C: tl.constexpr):
     for start in range(0, C, BLOCK_C):
         offs = start + tl.arange(0, BLOCK_C)
         m = offs < C
@@ -147,31 +147,18 @@ def _cbn_param_grads_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, sums_ptr, grad_
         t = tl.load(t_ptr + offs, mask=m, other=0.0)
         beta_coef = tl.load(beta_coef_ptr + offs, mask=m, other=0.0)
         a = tl.load(a_ptr + offs, mask=m, other=0.0)
-        tl.store(sums_ptr + offs, s1, mask=m)
-        tl.store(sums_ptr + C + offs, t, mask=m)
-        tl.store(grad_w_ptr + offs, t * inv_rho, mask=m)
-        tl.store(grad_b_ptr + offs, (s1 - beta_coef * t) * a, mask=m)
-
-
-@triton.jit
-def _shift_slope_kernel(coef_ptr, sums_ptr, shift_ptr, slope_ptr, mean_ptr, count_ptr, C, BLOCK_C: tl.constexpr):
-    for start in range(0, C, BLOCK_C):
-        offs = start + tl.arange(0, BLOCK_C)
-        m = offs < C
-        s1 = tl.load(sums_ptr + offs, mask=m, other=0.0)
-        t = tl.load(sums_ptr + C + offs, mask=m, other=0.0)
         r_mu = tl.load(coef_ptr + offs, mask=m, other=0.0)
         q = tl.load(coef_ptr + C + offs, mask=m, other=0.0)
         w = tl.load(coef_ptr + 2 * C + offs, mask=m, other=0.0)
-        tl.store(shift_ptr + offs, r_mu * s1, mask=m)
-        tl.store(slope_ptr + offs, q * t, mask=m)
-        tl.store(mean_ptr + offs, w, mask=m)
+        tl.store(sums_ptr + offs, r_mu * s1, mask=m)
+        tl.store(sums_ptr + C + offs, q * t, mask=m)
+        tl.store(grad_w_ptr + offs, t * inv_rho, mask=m)
+        tl.store(grad_b_ptr + offs, (s1 - beta_coef * t) * a, mask=m)
+        tl.store(w_ptr + offs, w, mask=m)
     tl.store(count_ptr, tl.load(coef_ptr + 3 * C).to(tl.int32))
 
 
-#: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
-KERNELS = {"cbn_plan": _cbn_plan_kernel, "cbn_param_grads": _cbn_param_grads_kernel,
-           "shift_slope": _shift_slope_kernel}
+KERNELS = {"cbn_plan": _cbn_plan_kernel, "backward_sums": _backward_sums_kernel}
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
@@ -208,22 +195,13 @@ def cbn_plan(moments, host_count, params, buffers, hyper, momentum, kernels=KERN
     return center, var_u, invstd, a, grad_coef, beta_coef
 
 
-def cbn_param_grads(s1, t, beta_coef, grad_scale, inv_rho, kernels=KERNELS):
-    """The CUDA kernel of ``distnorm::cbn_param_grads``."""
+def backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernels=KERNELS):
+    """The CUDA kernel of ``distnorm::backward_sums``: ``(sums, dgamma, dbeta, w, count)``."""
     channels = s1.shape[0]
     sums = torch.empty(2, channels, dtype=s1.dtype, device=s1.device)
-    grad_w, grad_b = torch.empty_like(s1), torch.empty_like(s1)
+    grad_w, grad_b, w = torch.empty_like(s1), torch.empty_like(s1), torch.empty_like(s1)
+    count = torch.empty(1, dtype=torch.int32, device=s1.device)
     with _on(s1.device):
-        kernels["cbn_param_grads"][(1,)](s1, t, beta_coef, grad_scale, sums, grad_w, grad_b, channels, inv_rho,
-                                         BLOCK_C=_block(channels))
-    return sums, grad_w, grad_b
-
-
-def shift_slope(grad_coef, sums, kernels=KERNELS):
-    """The CUDA kernel of ``distnorm::shift_slope``: ``(shift, slope, w, count)``."""
-    channels = sums.shape[1]
-    shift, slope, mean = (torch.empty_like(sums[0]) for _ in range(3))
-    count = torch.empty(1, dtype=torch.int32, device=sums.device)
-    with _on(sums.device):
-        kernels["shift_slope"][(1,)](grad_coef, sums, shift, slope, mean, count, channels, BLOCK_C=_block(channels))
-    return shift, slope, mean, count
+        kernels["backward_sums"][(1,)](s1, t, beta_coef, grad_scale, grad_coef, sums, grad_w, grad_b, w, count,
+                                       channels, inv_rho, BLOCK_C=_block(channels))
+    return sums, grad_w, grad_b, w, count

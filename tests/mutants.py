@@ -1111,7 +1111,7 @@ MUTANTS: list[Mutant] = [
         "distnorm/_cpu_kernels.py",
         "        grad_bias[c] = (s1[c] + (-1.0f * beta_coef[c]) * t[c]) * a[c];\n",
         "        grad_bias[c] = (s1[c] + beta_coef[c] * t[c]) * a[c];\n",
-        ("tests/test_fused.py::test_cpu_backward_kernels_equal_composite",),
+        ("tests/test_fused.py::test_cpu_backward_kernel_equals_composite",),
     ),
     Mutant(
         "cpu-kernel-built-at-first-use",

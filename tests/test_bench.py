@@ -358,7 +358,7 @@ def test_profile_step_and_host_cost_name_what_runs(tmp_path, monkeypatch):
         _measured({"wall_ms": float(r["wall_ms"]), "host_ms": float(r["host_ms"])})
         assert r["device_kernel_ms"] is None and r["kernels"] is None and r["device_kernels"] == []
     ops = {name: {o["op"] for o in r["host_ops"]} for name, r in steps.items()}
-    assert {"distnorm::cbn_plan", "distnorm::cbn_param_grads"} <= ops["cbn"]
+    assert {"distnorm::cbn_plan", "distnorm::backward_sums"} <= ops["cbn"]
     assert not any(op.startswith("distnorm::") for op in ops["local_bn"])
 
     host_cost = _bench_module("host_cost", monkeypatch)

@@ -1,5 +1,5 @@
-"""The fused per-channel operators (``distnorm::cbn_plan``, ``cbn_param_grads``,
-``shift_slope``; kernels in :mod:`distnorm._fused`): their Triton kernels (the CUDA path) equal the
+"""The fused per-channel operators (``distnorm::cbn_plan``, ``backward_sums``; kernels in
+:mod:`distnorm._fused`): their Triton kernels (the CUDA path) equal the
 ATen composite (the CPU path, itself checked against float64 references in
 ``test_layers.py``), a Triton that cannot run is an error, not a quiet fallback, and the
 operators are well-formed for ``torch.compile``.
@@ -76,6 +76,7 @@ def _clone(args: tuple) -> tuple:
 
 
 def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want), (len(got), len(want))
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.dtype == w.dtype and g.shape == w.shape, i
         if w.is_floating_point():
@@ -134,27 +135,28 @@ def test_cpu_plan_kernel_equals_composite(case):
         _assert_close(kernel_args[BUFFERS], args[BUFFERS])
 
 
-def test_cpu_backward_kernels_equal_composite():
-    """The C kernels of ``distnorm::cbn_param_grads`` and ``shift_slope`` against the
-    composite. Bugs caught: a swapped or mis-scaled gradient, the count not truncated as
-    ``.to(int32)``."""
+def _backward_args(device: str = "cpu") -> tuple:
+    """``backward_sums``'s arguments: random local sums, beta coefficients, ``a``, and a
+    ``grad_coef`` whose count is 300 (a float the int32 count truncates)."""
     g = torch.Generator().manual_seed(1)
-    s1, t, beta_coef, a = (torch.randn(C, generator=g) for _ in range(4))
-    _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, "cpu"),
-                  _fused.cbn_param_grads_composite(s1, t, beta_coef, a, 1 / 1.5))
-    coef, sums = torch.randn(2, 2, C, generator=g), torch.randn(2, C, generator=g)
+    s1, t, beta_coef, a = (torch.randn(C, generator=g).to(device) for _ in range(4))
+    coef = torch.randn(2, 2, C, generator=g)
     coef[1, 1] = 300.0
-    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, "cpu"), _fused.shift_slope_composite(coef, sums))
+    return s1, t, beta_coef, a, coef.to(device), 1 / 1.5
 
 
-def test_triton_backward_kernels_equal_composite(interpreted):
-    g = torch.Generator().manual_seed(1)
-    s1, t, beta_coef, a = (torch.randn(C, generator=g) for _ in range(4))
-    _assert_close(interpreted.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, kernels=interpreted.KERNELS),
-                  torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 1 / 1.5, "composite"))
-    coef, sums = torch.randn(2, 2, C, generator=g), torch.randn(2, C, generator=g)
-    _assert_close(interpreted.shift_slope(coef, sums, kernels=interpreted.KERNELS),
-                  torch.ops.distnorm.shift_slope(coef, sums, "composite"))
+def test_cpu_backward_kernel_equals_composite():
+    """The C kernel of ``distnorm::backward_sums`` against the composite. Bugs caught: a
+    swapped or mis-scaled gradient or sum, ``w`` or the count not copied (the count truncated
+    as ``.to(int32)``)."""
+    args = _backward_args()
+    _assert_close(torch.ops.distnorm.backward_sums(*args, "cpu"), _fused.backward_sums_composite(*args))
+
+
+def test_triton_backward_kernel_equals_composite(interpreted):
+    args = _backward_args()
+    _assert_close(interpreted.backward_sums(*args, kernels=interpreted.KERNELS),
+                  torch.ops.distnorm.backward_sums(*args, "composite"))
 
 
 @pytest.fixture
@@ -268,10 +270,7 @@ def test_operators_are_well_formed_for_torch_compile():
     ``torch.compile``), no autograd registration needed (they run under no_grad)."""
     for case in ("history", "device_count"):
         torch.library.opcheck(torch.ops.distnorm.cbn_plan.default, _op_args(_plan_args(**CASES[case]), "composite"))
-    s1, t = torch.randn(C), torch.randn(C)
-    torch.library.opcheck(torch.ops.distnorm.cbn_param_grads.default,
-                          (s1, t, torch.randn(C), torch.rand(C), 0.5, "composite"))
-    torch.library.opcheck(torch.ops.distnorm.shift_slope.default, (torch.randn(2, 2, C), torch.randn(2, C), "composite"))
+    torch.library.opcheck(torch.ops.distnorm.backward_sums.default, (*_backward_args(), "composite"))
 
 
 @pytest.mark.cuda
@@ -289,11 +288,8 @@ def test_cuda_fused_operators_equal_composite(case):
     got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, "triton"))
     _assert_close([x.cpu() for x in list(got) + op_args[BUFFERS]],
                   [x.cpu() for x in list(want) + composite_args[BUFFERS]])
-    s1, t, beta_coef, a = (torch.randn(C, device="cuda") for _ in range(4))
-    _assert_close(torch.ops.distnorm.cbn_param_grads(s1, t, beta_coef, a, 0.5, "triton"),
-                  _fused.cbn_param_grads_composite(s1, t, beta_coef, a, 0.5))
-    coef, sums = torch.randn(2, 2, C, device="cuda"), torch.randn(2, C, device="cuda")
-    _assert_close(torch.ops.distnorm.shift_slope(coef, sums, "triton"), _fused.shift_slope_composite(coef, sums))
+    args = _backward_args("cuda")
+    _assert_close(torch.ops.distnorm.backward_sums(*args, "triton"), _fused.backward_sums_composite(*args))
 
 
 # ------------------------------------------- the backward's element-wise pass (one kernel)

@@ -128,7 +128,7 @@ def test_a_layer_step_walks_down_module_functional_operators_collectives():
         assert len(declares) == (1 if path == PACKAGE / "_functions.py" else 0), path
     tree = ast.parse(inspect.getsource(layers))
     assert not [node for node in ast.walk(tree) if isinstance(node, ast.Lambda)]  # no closure handed down
-    for name in ("cbn_plan", "cbn_param_grads", "shift_slope", "cbn_statistics", "bn_statistics",
+    for name in ("cbn_plan", "backward_sums", "cbn_statistics", "bn_statistics",
                  "normalize_backward", "bnp_statistics"):
         schema = getattr(torch.ops.distnorm, name).default._schema
         assert len(schema.arguments) <= 8, schema
