@@ -1114,6 +1114,22 @@ MUTANTS: list[Mutant] = [
         ("tests/test_fused.py::test_cpu_backward_kernel_equals_composite",),
     ),
     Mutant(
+        "backward-sums-unscaled",
+        "CBN matches the float64 reference, 2 ranks equal 1 process (the backward's sums scaled by r_mu and q before the all-reduce)",
+        "distnorm/_fused.py",
+        "    sums = grad_coef[0] * torch.stack([s1, t])\n",
+        "    sums = torch.stack([s1, t])\n",
+        ("tests/test_layers.py::test_cbn_matches_reference[shape0]",),
+    ),
+    Mutant(
+        "triton-backward-sums-unscaled",
+        "The fused operators' CUDA (Triton) kernels equal the ATen composite (the backward's scaled sums)",
+        "distnorm/_triton.py",
+        "        tl.store(sums_ptr + C + offs, q * t, mask=m)\n",
+        "        tl.store(sums_ptr + C + offs, t, mask=m)\n",
+        ("tests/test_fused.py::test_triton_backward_kernel_equals_composite",),
+    ),
+    Mutant(
         "cpu-kernel-built-at-first-use",
         "no rank is left waiting: a rank whose C kernels cannot be built is named by every rank at the group's first step",
         "distnorm/_fused.py",
