@@ -21,6 +21,9 @@ process (its whole output also goes to ``<out>/<name>.<part>.log`` as it runs):
   EfficientNet-B0 (``--quick``: ResNet-50 only), 224 px, batch 256, bf16, channels_last,
   SGD; local BN against distnorm's SyncBatchNorm, CBN, POP-Norm and GN + BNP: step-time
   ratio, images/s, peak memory.
+* **host**: ``bench/host_cost.py --device cuda --profile cbn``: each layer's host time to
+  issue one training step, its first host sync (CUDA's sync debug mode), CBN's costliest
+  Python functions.
 * **layers**: ``bench/layers.py --device cuda``: each layer's forward+backward against
   ``nn.BatchNorm2d``.
 * **decode**: ``bench/decode_gpu.py --device cuda``: the data pipeline's ``decode_device:
@@ -75,7 +78,7 @@ import torch
 from _common import REPO, machine
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("tests", "step_eager", "layers", "decode", "step_compile")
+PARTS = ("tests", "step_eager", "host", "layers", "decode", "step_compile")
 TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_step_cost.py", "tests/test_compile.py",
          "tests/test_checkpointing.py"]
 #: Only the tests that need CUDA (the CPU tests of these files run in ``make test``).
@@ -106,16 +109,18 @@ class Plan:
 PLANS = {
     "default": Plan(
         budget_s=450,
-        limits_s={"tests": 240, "step_eager": 150, "layers": 90, "decode": 90, "step_compile": 300},
-        args={"step_eager": ("--modes", "eager"),
+        limits_s={"tests": 240, "step_eager": 150, "host": 60, "layers": 90, "decode": 90, "step_compile": 300},
+        args={"step_eager": ("--modes", "eager"), "host": ("--profile", "cbn"),
               "step_compile": ("--modes", "compile", "--models", "resnet50", "--variants", "local_bn", "cbn")}),
     "quick": Plan(
         budget_s=210,
-        limits_s={"tests": 150, "step_eager": 60, "layers": 45, "decode": 30},
-        args={"step_eager": ("--modes", "eager", "--models", "resnet50"), "layers": ("--repeats", "5"),
+        limits_s={"tests": 150, "step_eager": 60, "host": 30, "layers": 45, "decode": 30},
+        args={"step_eager": ("--modes", "eager", "--models", "resnet50"), "host": ("--rounds", "3"),
+              "layers": ("--repeats", "5"),
               "decode": ("--repeats", "1")}),
 }
-SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "layers": "layers.py", "decode": "decode_gpu.py"}
+SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "host": "host_cost.py", "layers": "layers.py",
+           "decode": "decode_gpu.py"}
 
 
 def default_out() -> str:
@@ -147,6 +152,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                         help="override one part's time limit (repeatable)")
     parser.add_argument("--tests", nargs="+", default=TESTS, help="test files (relative to the repository)")
     parser.add_argument("--pytest-args", default="", help="more pytest arguments, one string (use --pytest-args=...)")
+    parser.add_argument("--host-args", default="", help="more bench/host_cost.py arguments, one string")
     parser.add_argument("--layers-args", default="", help="more bench/layers.py arguments, one string")
     parser.add_argument("--step-args", default="", help="more bench/step_gpu.py arguments (both step parts)")
     parser.add_argument("--decode-args", default="", help="more bench/decode_gpu.py arguments, one string")
@@ -337,8 +343,8 @@ def run_benchmark(name: str, args: argparse.Namespace, timeout_s: float) -> dict
     out = Path(args.out)
     result = out / f"{args.name}.{name}.json"
     result.unlink(missing_ok=True)
-    extra = {"step_eager": args.step_args, "step_compile": args.step_args, "layers": args.layers_args,
-             "decode": args.decode_args}[name]
+    extra = {"step_eager": args.step_args, "step_compile": args.step_args, "host": args.host_args,
+             "layers": args.layers_args, "decode": args.decode_args}[name]
     shown = [f"bench/{SCRIPTS[name]}", "--device", "cuda", *args.plan_args.get(name, ()), *shlex.split(extra)]
     cmd = [sys.executable, str(REPO / shown[0]), *shown[1:], "--json", str(result)]
     done = run_part(cmd, out / f"{args.name}.{name}.log", timeout_s)
@@ -391,6 +397,24 @@ def _step_lines(step: dict) -> list[str]:
     return lines + [""]
 
 
+def _host_lines(host: dict) -> list[str]:
+    lines = ["## Host cost of a layer step (one GPU)", ""]
+    if host["status"] != "ran":
+        return lines + [_status_line(host), ""]
+    r = host["result"]
+    lines += [f"`{host['command']}`: forward + backward at {tuple(r['config']['shape'])} channels_last, where the "
+              "GPU's work is negligible: the host's time to issue one step (a layer whose host cost exceeds its "
+              "GPU time makes the GPU wait).", "",
+              "| layer | host µs per step | × BatchNorm2d | first host sync |", "|---|---|---|---|"]
+    base = r["us_per_step"]["batchnorm2d"]
+    lines += [f"| {name} | {us:.0f} | {us / base:.2f} | {r['host_syncs'].get(name)} |"
+              for name, us in r["us_per_step"].items()]
+    for name, rows in r.get("profiles", {}).items():
+        lines += ["", f"{name}: costliest Python functions (own µs per step, calls per step): " + "; ".join(
+            f"`{row['function']}` {row['own_us_per_step']:.0f} ({row['calls_per_step']:g})" for row in rows[:8])]
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
     m, cuda, triton = report["machine"], report["cuda"], report["triton"]
     gpus = ", ".join(cuda["devices"]) or cuda["reason"]
@@ -423,6 +447,7 @@ def markdown(report: dict) -> str:
         lines += [f"* FAILED `{f['test']}`: {f['message'].splitlines()[0] if f['message'] else f['kind']}"
                   for f in tests["failures"]] + ([""] if tests["failures"] else [])
     lines += ["## Training step, eager (one GPU)", "", *_step_lines(report["parts"]["step_eager"])]
+    lines += _host_lines(report["parts"].get("host", {"status": "skipped", "reason": "not in this report"}))
     layers = report["parts"]["layers"]
     lines += ["## Layer benchmark (forward + backward, one GPU)", ""]
     if layers["status"] != "ran":

@@ -207,7 +207,7 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
     assert all("CUDA" in reason for reason in tests["skip_reasons"])
     assert "-m cuda" in tests["command"] and (tmp_path / "report.tests.xml").is_file()
     assert (tmp_path / tests["log"]).read_text().startswith("$ ")
-    for part in ("step_eager", "layers", "decode", "step_compile"):
+    for part in ("step_eager", "host", "layers", "decode", "step_compile"):
         assert report["parts"][part] == {"status": "skipped", "reason": report["cuda"]["reason"]}
     triton = report["triton"]
     assert set(triton) == {"imports", "version", "error", "cc", "DISTNORM_TRITON"} and set(triton["cc"]) == {"path", "source", "version"}
@@ -230,6 +230,8 @@ def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
     assert summary == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1,
                        "skip_reasons": {"needs a CUDA device: none visible": 1},
                        "failures": [{"test": "tests.test_cuda::c", "kind": "failure", "message": "AssertionError: 1 != 2"}]}
+    host = _bench_module("host_cost", monkeypatch).main(["--device", "cpu", "--iters", "2", "--rounds", "1",
+                                                           "--profile", "cbn", "--top", "3"])
     cut = json.loads(json.dumps(step_gpu_smoke))  # as a run stopped after one more build
     cut["complete"] = False
     cut["built"].append({"model": "resnet50", "variant": "cbn", "mode": "compile", "first_step_s": 75.25})
@@ -239,6 +241,7 @@ def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
               "parts": {"tests": {"status": "failed", "command": "pytest", "wall_s": 1.0, **summary},
                         "step_eager": {"status": "ran", "command": "python bench/step_gpu.py", "result": step_gpu_smoke,
                                        "triton_messages": []},
+                        "host": {"status": "ran", "command": "python bench/host_cost.py", "result": host},
                         "layers": {"status": "skipped", "reason": "not asked for (--only)"},
                         "decode": {"status": "skipped", "reason": "not asked for (--only)"},
                         "step_compile": {"status": "timed out", "reason": "stopped after 300 s (its time limit)",
@@ -251,6 +254,8 @@ def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
     assert "* built, not timed (the run stopped first): resnet50 cbn compile, first step 75.2 s" in md
     assert "| step_compile | timed out: stopped after 300 s (its time limit) |" in md
     assert "`RuntimeWarning: distnorm: the Triton kernel failed`" in md
+    assert "| batchnorm2d | " in md and "| 1.00 | None |" in md and "| cbn | " in md  # host part: every layer
+    assert "cbn: costliest Python functions" in md
 
 
 def test_gpu_report_stops_a_part_and_everything_it_started_at_its_limit(tmp_path, monkeypatch):
