@@ -30,6 +30,7 @@ it collects anything, naming the package.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -86,10 +87,16 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PATH"] = bin_dir + os.pathsep + path
     # DeepSpeed builds that op in TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, which
     # every venv of the user shares: two venvs rebuilt it for each other (two rebuilds of about
-    # 2 min in one trial, 2026-11-26). One directory per venv, inherited by every process the
-    # tests start; a value you set wins.
+    # 2 min in one trial, 2026-11-26). One directory per venv *path as this interpreter sees
+    # it*, inherited by every process the tests start; a value you set wins. The path matters:
+    # the build command names the venv's include directories by it, so two checkouts reaching
+    # one venv by two paths (a worktree's symlinked .venv) rebuilt the op for each other in a
+    # shared directory every 30-60 s for as long as both suites ran (its .ninja_log, two
+    # command hashes alternating, 2026-11-26 13:40-13:48), holding DeepSpeed launches past
+    # their limits (tests/README.md, "Green under load").
     if sys.prefix != sys.base_prefix:
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+        seen_as = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions" / seen_as))
     if Sybil is None and not GPU_TIER:
         raise pytest.UsageError(
             f"Sybil is not installed for {sys.executable}: the tests run the Python blocks of README.md and "
