@@ -43,6 +43,7 @@ import functools
 import importlib
 import io
 import math
+import hashlib
 import os
 import re
 import shlex
@@ -565,14 +566,18 @@ def test_the_extras_table_is_pyprojects():
 
 
 def test_deepspeeds_op_is_built_inside_the_venv():
-    """README: the tests build DeepSpeed's CPU op in `.venv/torch_extensions` (the root
-    conftest.py sets TORCH_EXTENSIONS_DIR, which every process the tests start inherits).
+    """README: the tests build DeepSpeed's CPU op in `.venv/torch_extensions/<hash of the
+    venv's path>` (the root conftest.py sets TORCH_EXTENSIONS_DIR, which every process the
+    tests start inherits): one directory per venv, and per path it is reached by.
 
-    Bug caught: the setting dropped, so the venvs of one user share ~/.cache/torch_extensions
-    and rebuild the op for each other (two rebuilds of about 2 min each in a trial, 2026-11-26)."""
+    Bugs caught: the setting dropped, so the venvs of one user share ~/.cache/torch_extensions
+    and rebuild the op for each other (two rebuilds of about 2 min each in a trial,
+    2026-11-26); one directory for two paths to one venv (a worktree's symlinked .venv), whose
+    build commands differ, so the two suites rebuilt it every 30-60 s (tests/README.md)."""
     if sys.prefix == sys.base_prefix:
         pytest.skip("pytest runs outside a virtualenv: the default directory is kept")
-    assert os.environ.get("TORCH_EXTENSIONS_DIR") == str(Path(sys.prefix) / "torch_extensions")
+    seen_as = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    assert os.environ.get("TORCH_EXTENSIONS_DIR") == str(Path(sys.prefix) / "torch_extensions" / seen_as)
 
 
 # --- the harness of the pages' Python blocks (the root conftest.py) ---------------------------
