@@ -1130,6 +1130,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_fused.py::test_triton_backward_kernel_equals_composite",),
     ),
     Mutant(
+        "checkpoint-commit-interruptible",
+        "an interrupted run's last checkpoint is the one on disk: Ctrl-C is held while a checkpoint is committed",
+        "distnorm/train/checkpoint.py",
+        "                with _sigint_held():  # the directory in place and `latest` naming it: one step for Ctrl-C\n",
+        "                with contextlib.nullcontext():\n",
+        ("tests/test_reliability.py::test_ctrl_c_during_the_commit_waits_until_latest_names_the_checkpoint",),
+    ),
+    Mutant(
         "cpu-kernel-built-at-first-use",
         "no rank is left waiting: a rank whose C kernels cannot be built is named by every rank at the group's first step",
         "distnorm/_fused.py",

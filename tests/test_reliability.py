@@ -381,3 +381,29 @@ def test_a_failed_checkpoint_write_stops_every_rank_and_leaves_the_previous_late
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000001"]  # no partial directory left
     assert (root / "latest").read_text() == "step_000000001" and verify_checkpoint(first) is None
     assert manager(0).find_resumable()[0] == first
+
+
+def test_ctrl_c_during_the_commit_waits_until_latest_names_the_checkpoint(tmp_path, monkeypatch):
+    """A SIGINT that arrives after the checkpoint's directory is renamed into place and before
+    ``latest`` names it (here: sent by the fsync of ``latest.tmp``) is delivered once the commit
+    is done: the KeyboardInterrupt comes, and ``latest`` names the new, complete checkpoint.
+    Bug caught (a ``make test`` failure by chance, 2026-11-26): the interrupt landed in that
+    window, the run's one line said there was no checkpoint, and ``latest`` was missing though
+    ``step_000000004`` was complete on disk."""
+    from distnorm.train import checkpoint
+    from distnorm.train.checkpoint import CheckpointManager, verify_checkpoint
+
+    real_fsync = checkpoint._fsync
+
+    def fsync_then_ctrl_c(path):
+        real_fsync(path)
+        if Path(path).name == "latest.tmp":
+            signal.raise_signal(signal.SIGINT)  # Python's default handler: KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "_fsync", fsync_then_ctrl_c)
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=2, is_main=True, barrier=lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(4, {"step": 4}, lambda directory, state: (directory / "model.bin").write_bytes(b"x" * 100))
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_000000004"
+    assert manager.latest() == tmp_path / "ckpt" / "step_000000004" and verify_checkpoint(manager.latest()) is None
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back

@@ -4,7 +4,9 @@ A checkpoint is a directory ``<root>/step_XXXXXXXXX`` written by the engine (Acc
 ``save_state`` or DeepSpeed's ``save_checkpoint``, every rank writing its own files). It is
 first written as ``step_XXXXXXXXX.tmp``; after every rank has finished (a barrier), rank 0
 fsyncs each file, writes ``manifest.json`` (trainer state, and for every file its size and
-SHA-256), fsyncs it, and only then renames the directory into place and updates ``latest``.
+SHA-256), fsyncs it, and only then renames the directory into place and updates ``latest``;
+a Ctrl-C (SIGINT) that arrives during that commit is held until ``latest`` names the new
+checkpoint (:func:`_sigint_held`), so an interrupted run's last checkpoint is the one on disk.
 A crash at any point leaves either the previous checkpoints untouched or a complete new
 one; a leftover ``.tmp`` directory is never resumed from and is cleaned up later.
 
@@ -16,13 +18,16 @@ pass over (truncated or corrupt files). The root must be on a file system every 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
+import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 __all__ = ["CheckpointManager", "CheckpointWriteError", "verify_checkpoint"]
 
@@ -83,6 +88,28 @@ def _describe_write_failure(err: BaseException, where: Path) -> str:
     return f"writing {where} failed ({space}): {type(err).__name__}: {err}"
 
 
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold SIGINT (Ctrl-C; torchrun forwards it to every worker) until the block ends, then
+    deliver it to the handler that was installed: a Ctrl-C between the checkpoint's rename and
+    the update of ``latest`` would otherwise leave a complete checkpoint that ``latest`` does
+    not name, and the interrupted run's one line would say there is none. Outside the main
+    thread (where Python runs signal handlers) nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(*held[0])  # Python's own handler, or the trainer's, raises KeyboardInterrupt here
+        elif held and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+
+
 class CheckpointManager:
     """Save / find checkpoints under ``root``.
 
@@ -125,6 +152,24 @@ class CheckpointManager:
         dirs = [p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not p.name.endswith(".tmp")]
         return sorted(dirs, key=lambda p: int(p.name[len(PREFIX):]))
 
+    def _commit(self, step: int, state: dict[str, Any], name: str, final: Path, tmp: Path) -> None:
+        """Rank 0: fsync every file, write and fsync the manifest, rename the directory into
+        place, then point ``latest`` at it."""
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync(path)
+            files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps({"step": step, "state": state, "files": files}, indent=1))
+        _fsync(manifest)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # from here on the checkpoint is complete and verifiable
+        latest = self.root / "latest.tmp"
+        latest.write_text(name)
+        _fsync(latest)
+        os.replace(latest, self.root / "latest")
+
     def save(self, step: int, state: dict[str, Any], write: Callable[[Path, dict[str, Any]], None]) -> Path:
         """Write checkpoint ``step`` with ``write(tmp_dir, state)`` on every rank; returns its path."""
         name = f"{PREFIX}{step:09d}"
@@ -145,20 +190,8 @@ class CheckpointManager:
         self._agree(failure, tmp)
         if self.is_main:
             try:
-                files = {}
-                for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                    _fsync(path)
-                    files[str(path.relative_to(tmp))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-                manifest = tmp / MANIFEST
-                manifest.write_text(json.dumps({"step": step, "state": state, "files": files}, indent=1))
-                _fsync(manifest)
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)  # from here on the checkpoint is complete and verifiable
-                latest = self.root / "latest.tmp"
-                latest.write_text(name)
-                _fsync(latest)
-                os.replace(latest, self.root / "latest")
+                with _sigint_held():  # the directory in place and `latest` naming it: one step for Ctrl-C
+                    self._commit(step, state, name, final, tmp)
             except OSError as err:
                 failure = _describe_write_failure(err, tmp if tmp.exists() else self.root)
         self._agree(failure, tmp)
