@@ -402,8 +402,13 @@ def test_ctrl_c_during_the_commit_waits_until_latest_names_the_checkpoint(tmp_pa
 
     monkeypatch.setattr(checkpoint, "_fsync", fsync_then_ctrl_c)
     manager = CheckpointManager(tmp_path / "ckpt", keep_last=2, is_main=True, barrier=lambda: None)
-    with pytest.raises(KeyboardInterrupt):
-        manager.save(4, {"step": 4}, lambda directory, state: (directory / "model.bin").write_bytes(b"x" * 100))
+    # Python's own handler, as a training process has it (a pytest-xdist worker ignores SIGINT)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            manager.save(4, {"step": 4}, lambda directory, state: (directory / "model.bin").write_bytes(b"x" * 100))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_000000004"
     assert manager.latest() == tmp_path / "ckpt" / "step_000000004" and verify_checkpoint(manager.latest()) is None
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
