@@ -1133,8 +1133,8 @@ MUTANTS: list[Mutant] = [
         "checkpoint-commit-interruptible",
         "an interrupted run's last checkpoint is the one on disk: Ctrl-C is held while a checkpoint is committed",
         "distnorm/train/checkpoint.py",
-        "                with _sigint_held():  # the directory in place and `latest` naming it: one step for Ctrl-C\n",
-        "                with contextlib.nullcontext():\n",
+        "        with _sigint_held():\n",
+        "        with contextlib.nullcontext():\n",
         ("tests/test_reliability.py::test_ctrl_c_during_the_commit_waits_until_latest_names_the_checkpoint",),
     ),
     Mutant(

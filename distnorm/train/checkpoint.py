@@ -5,8 +5,9 @@ A checkpoint is a directory ``<root>/step_XXXXXXXXX`` written by the engine (Acc
 first written as ``step_XXXXXXXXX.tmp``; after every rank has finished (a barrier), rank 0
 fsyncs each file, writes ``manifest.json`` (trainer state, and for every file its size and
 SHA-256), fsyncs it, and only then renames the directory into place and updates ``latest``;
-a Ctrl-C (SIGINT) that arrives during that commit is held until ``latest`` names the new
-checkpoint (:func:`_sigint_held`), so an interrupted run's last checkpoint is the one on disk.
+a Ctrl-C (SIGINT) that arrives between the rename and that update is held until ``latest``
+names the new checkpoint (:func:`_sigint_held`), so an interrupted run's last checkpoint is
+the one on disk.
 A crash at any point leaves either the previous checkpoints untouched or a complete new
 one; a leftover ``.tmp`` directory is never resumed from and is cleaned up later.
 
@@ -162,13 +163,16 @@ class CheckpointManager:
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({"step": step, "state": state, "files": files}, indent=1))
         _fsync(manifest)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # from here on the checkpoint is complete and verifiable
-        latest = self.root / "latest.tmp"
-        latest.write_text(name)
-        _fsync(latest)
-        os.replace(latest, self.root / "latest")
+        # The directory in place and `latest` naming it: one step for Ctrl-C (the hashing above
+        # may take seconds and stays interruptible; the old checkpoint is then the last one).
+        with _sigint_held():
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # from here on the checkpoint is complete and verifiable
+            latest = self.root / "latest.tmp"
+            latest.write_text(name)
+            _fsync(latest)
+            os.replace(latest, self.root / "latest")
 
     def save(self, step: int, state: dict[str, Any], write: Callable[[Path, dict[str, Any]], None]) -> Path:
         """Write checkpoint ``step`` with ``write(tmp_dir, state)`` on every rank; returns its path."""
@@ -190,8 +194,7 @@ class CheckpointManager:
         self._agree(failure, tmp)
         if self.is_main:
             try:
-                with _sigint_held():  # the directory in place and `latest` naming it: one step for Ctrl-C
-                    self._commit(step, state, name, final, tmp)
+                self._commit(step, state, name, final, tmp)
             except OSError as err:
                 failure = _describe_write_failure(err, tmp if tmp.exists() else self.root)
         self._agree(failure, tmp)
