@@ -4,7 +4,7 @@ the benchmarks (eager before compiled, ResNet-50 first), gathered into one repor
 
     python bench/gpu_report.py [--quick] [--out DIR] [--name gpu-<date>] [--budget-s S]
                                [--only tests step_eager ...] [--part-timeout step_compile=200]
-                               [--pytest-args='-k compile'] [--step-args='--repeats 5']
+                               [--pytest-args='-k compile'] [--step-args='--repeats 5'] [--host-args='--rounds 3']
 
 Runs with the interpreter it is given and installs nothing (a bare GPU machine: torch,
 torchvision, accelerate, timm, pytest; no Sybil, DeepSpeed, WebDataset, Lightning,
