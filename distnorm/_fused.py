@@ -17,9 +17,9 @@ others in :mod:`distnorm._functions`, whose kernel is the function of the same n
     the global statistics, the same on every rank, so the all-reduce of the scaled local
     sums gives ``shift = r_mu S1`` and ``slope = q T`` of the global batch with no step
     after it), the local parameter gradients ``dgamma = T / rho``, ``dbeta = a (S1 - q d
-    T)``, ``w`` and ``n`` (an int32 ``(1,)`` tensor): exactly the arguments of ATen's CUDA kernel ``batch_norm_backward_elemt`` (and of its CPU
-    twin, :mod:`distnorm._cpu_kernels`) for the element-wise pass ``dx = a (g - shift / n -
-    (x - w) slope / n)``.
+    T)``, ``w`` and ``n`` (an int32 ``(1,)`` tensor): exactly the arguments of ATen's CUDA
+    kernel ``batch_norm_backward_elemt`` (and of its CPU twin, :mod:`distnorm._cpu_kernels`)
+    for the element-wise pass ``dx = a (g - shift / n - (x - w) slope / n)``.
 
 Each operator has two implementations: the ATen composite below (the reference, and what
 runs on the CPU) and one Triton kernel (:mod:`distnorm._triton`, CUDA) for the supported

@@ -158,6 +158,7 @@ def _backward_sums_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, coef_ptr, sums_pt
     tl.store(count_ptr, tl.load(coef_ptr + 3 * C).to(tl.int32))
 
 
+#: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
 KERNELS = {"cbn_plan": _cbn_plan_kernel, "backward_sums": _backward_sums_kernel}
 
 
