@@ -54,6 +54,14 @@ def _read(kind: str, path: Path) -> tuple[float, float]:
     return int(stat["user_usec"]) / 1e6, int(stat["system_usec"]) / 1e6
 
 
+def _remove(group: Path) -> None:
+    """Remove an emptied cgroup and the groups nested in it (``tests/cpu_account.py`` makes one
+    per pytest process), deepest first: the kernel refuses (EBUSY) a group that has children."""
+    for child in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        child.rmdir()
+    group.rmdir()
+
+
 def measure(command: list[str]) -> dict:
     """Run ``command``; its exit code, wall seconds and the CPU seconds of all it started."""
     group = _make_group()
@@ -76,7 +84,7 @@ def measure(command: list[str]) -> dict:
         left = procs_file.read_text().split()
         how = f"cgroup {group[0]}" + (f"; {len(left)} process(es) still running in {group[1]}" if left else "")
         if not left:
-            group[1].rmdir()
+            _remove(group[1])
     return {"command": command, "exit_code": code, "wall_s": round(wall, 1), "user_s": round(user, 1),
             "system_s": round(system, 1), "cpu_s": round(user + system, 1), "counted_by": how}
 
