@@ -54,6 +54,12 @@ def _read(kind: str, path: Path) -> tuple[float, float]:
     return int(stat["user_usec"]) / 1e6, int(stat["system_usec"]) / 1e6
 
 
+def _processes(group: Path) -> list[str]:
+    """The processes in ``group`` and in the groups nested in it (a daemon a test started, e.g.
+    Slurm's munged, stays in the nested group of the pytest worker that started it)."""
+    return [pid for procs in group.rglob("cgroup.procs") for pid in procs.read_text().split()]
+
+
 def _remove(group: Path) -> None:
     """Remove an emptied cgroup and the groups nested in it (``tests/cpu_account.py`` makes one
     per pytest process), deepest first: the kernel refuses (EBUSY) a group that has children."""
@@ -78,10 +84,10 @@ def measure(command: list[str]) -> dict:
         user, system, how = usage.ru_utime, usage.ru_stime, "getrusage(RUSAGE_CHILDREN): misses processes never waited for"
     else:
         deadline = time.monotonic() + 60  # processes the command left behind: their CPU counts too
-        while procs_file.read_text().split() and time.monotonic() < deadline:
+        while _processes(group[1]) and time.monotonic() < deadline:
             time.sleep(0.2)
         user, system = _read(*group)
-        left = procs_file.read_text().split()
+        left = _processes(group[1])
         how = f"cgroup {group[0]}" + (f"; {len(left)} process(es) still running in {group[1]}" if left else "")
         if not left:
             _remove(group[1])
