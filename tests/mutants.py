@@ -1041,6 +1041,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_engines.py::test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integration",),
     ),
     Mutant(
+        "config-check-builds-geometry",
+        "loading a recipe's configuration (a --check) imports no torchvision: the geometry is built only for decode_device",
+        "distnorm/data/transforms.py",
+        "            for train in (True, False) if self.decode_device is not None else ():\n",
+        "            for train in (True, False):\n",
+        ("tests/test_engines.py::test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integration",),
+    ),
+    Mutant(
         "deepspeed-state-not-in-client-state",
         "DeepSpeed: the plugin's state rides in client_state (resume: the count goes on, another configuration refused)",
         "distnorm/integrations/deepspeed.py",

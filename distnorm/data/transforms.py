@@ -116,7 +116,10 @@ class ImageSpec(Section):
         if callable(self.transform):
             return
         try:  # the decoder's rules, on both geometries, before any worker starts
-            for train in (True, False):
+            _check_decoding((), self.reduced_decode, self.decoder, self.decode_device)
+            # The geometry matters only to decode_device; building it imports torchvision (and with
+            # it torch._dynamo, ~0.9 CPU-s), which a `--check` or a refused configuration need not pay.
+            for train in (True, False) if self.decode_device is not None else ():
                 _check_decoding(_preset(self.transform, train, self.image_size)[0], self.reduced_decode, self.decoder,
                                 self.decode_device)
         except ValueError as err:
@@ -135,15 +138,15 @@ class ImageSpec(Section):
 def _check_decoding(geometry: Sequence[Callable], reduced_decode: bool, decoder: str,
                     decode_device: str | torch.device | None) -> None:
     """What each decoder supports; an error names the setting to change."""
-    from torchvision import transforms as T
-
     if decoder not in DECODERS:
         raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
     if decode_device is not None and decoder != "torchvision":
         raise ValueError("decode_device needs decoder='torchvision' (PIL decodes on the CPU, in the workers)")
     if reduced_decode and decoder != "pil":
         raise ValueError("reduced_decode is PIL's DCT scaling: it needs decoder='pil'")
-    if decode_device is not None:
+    if decode_device is not None and geometry:
+        from torchvision import transforms as T
+
         supported = (T.RandomResizedCrop, T.RandomHorizontalFlip, T.Resize, T.CenterCrop)
         unsupported = [type(g).__name__ for g in geometry if not isinstance(g, supported)]
         if unsupported or any(isinstance(g, T.RandomResizedCrop) for g in geometry[1:]):
