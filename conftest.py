@@ -265,4 +265,4 @@ def _doctest_shards(request: pytest.FixtureRequest) -> None:
 def _digits_shards(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tests.helpers import write_digits_shards
 
-    return str(write_digits_shards(tmp_path_factory.mktemp("doctest-digits")))
+    return str(write_digits_shards(tmp_path_factory.mktemp("doctest-digits"), size=32))  # the demo's, as the docs show it

@@ -29,13 +29,13 @@ def merged_overrides(*items: str) -> list[str]:
 DIGITS_SIZE = 16
 
 
-def write_digits_shards(root: Path) -> Path:
-    """The demo digits as shards in ``root`` (6 train shards, 3 val shards), ``DIGITS_SIZE``
-    pixels a side."""
+def write_digits_shards(root: Path, size: int = DIGITS_SIZE) -> Path:
+    """The demo digits as shards in ``root`` (6 train shards, 3 val shards), ``size`` pixels
+    a side."""
     from distnorm import data as D
 
-    D.write_shards(D.DigitsSource("train", size=DIGITS_SIZE), str(root / "digits-train"), maxcount=256, progress=False)
-    D.write_shards(D.DigitsSource("val", size=DIGITS_SIZE), str(root / "digits-val"), maxcount=128, progress=False)
+    D.write_shards(D.DigitsSource("train", size=size), str(root / "digits-train"), maxcount=256, progress=False)
+    D.write_shards(D.DigitsSource("val", size=size), str(root / "digits-val"), maxcount=128, progress=False)
     return root
 
 
