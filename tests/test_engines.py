@@ -148,10 +148,11 @@ print("integrations:", sorted(m for m in sys.modules if m.startswith("distnorm.i
 @pytest.mark.timeout(300)
 def test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integration():
     """In a fresh process: ``import distnorm`` imports no engine library, neither
-    ``torch._dynamo`` nor torch's FSDP; loading a recipe's configuration (all a ``--check``
+    ``torch._dynamo`` nor torch's FSDP; loading a recipe's configuration (what a ``--check``
     needs of torch) imports neither torchvision nor, through it, ``torch._dynamo`` (~0.9
-    CPU-seconds of every ``--check`` a launcher runs); a plugin, a training forward and a consistency check
-    import no engine library (the plugin's hook imports ``torch._dynamo``); then a
+    CPU-seconds of every ``--check`` a launcher runs: config-check-builds-geometry); a plugin,
+    a training forward and a consistency check import no engine library (the plugin's hook
+    imports ``torch._dynamo``); then a
     DeepSpeed engine met by ``wrapper_name`` loads DeepSpeed's integration by its library's
     name (the script never imported it) and is named. Bugs caught: the registry importing
     every integration instead of those of the libraries the script imported
@@ -161,6 +162,7 @@ def test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integrati
     proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.split(":")[0] in ("loaded", "config", "integrations", "wrapper")]
+    lines = [line for line in proc.stdout.splitlines()
+             if line.split(":")[0] in ("loaded", "config", "integrations", "wrapper")]
     assert lines == ["loaded: []", "config: []", "loaded: []", "integrations: []", "wrapper: DeepSpeed",
                      "integrations: ['distnorm.integrations.deepspeed']"], proc.stdout[-3000:]
