@@ -33,7 +33,7 @@ import distnorm
 from _common import interleaved_times, machine, ratio_spread, use_stable_allocator, write_json  # noqa: I001
 from step import build
 
-#: part: (baseline, variants), input (batch, side) full and smoke.
+#: Each part: its model, and its input (batch, side) at full size and in the smoke sizes.
 PARTS = {
     "cbn_stem": {"model": "resnet18 (distnorm.models)", "input": (8, 128), "smoke_input": (2, 32)},
     "bnp_biases": {"model": "resnet18 (torchvision)", "input": (16, 224), "smoke_input": (2, 32)},
