@@ -221,18 +221,10 @@ def bnp_precondition(
     if grad_bias is None:
         return (gw / denominator).to(grad_weight.dtype), None
     gb = to_dtype(grad_bias, compute)
-    mu_w, gb_w = mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1))
-    # Weight-sized work: one new tensor (the transient memory of the backward: one extra
-    # weight gradient per layer).
-    if gw.dim() > 2:
-        # A convolution: ONE element-wise pass, G_w * (1 / den) + (-mu G_b / den), whose two
-        # factors are per (output, input channel) and broadcast over the kernel; subtracting
-        # first and dividing after took two passes over the weight.
-        inverse = denominator.reciprocal()
-        new_w = torch.addcmul((mu_w * gb_w).mul_(inverse).neg_(), gw, inverse)
-    else:
-        # A dense layer: the factor -mu G_b is as large as the weight itself; two passes.
-        new_w = torch.addcmul(gw, mu_w, gb_w, value=-1.0).div_(denominator)
+    # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
+    # backward at one extra weight gradient per layer).
+    new_w = torch.addcmul(gw, mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
+    new_w.div_(denominator)
     # sum_{p, kernel} mu[p] * new_w[d, p, kernel]: reduce the kernel first, then a row dot.
     per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
     new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)

@@ -24,8 +24,7 @@ def merged_overrides(*items: str) -> list[str]:
 
 #: The side of the tests' digits. The demo trains on 32×32; the tests' launched trainings check
 #: launchers, resumes and failures, none of which depends on the image size, and at 16×16 a
-#: ResNet-20 step costs a third of the CPU (0.055 against 0.145 CPU-seconds, batch 64, one
-#: process, 2026-11-26) — the suite starts some seventy training processes (tests/README.md).
+#: ResNet-20 step costs about a third of the CPU (tests/README.md, "CPU seconds").
 DIGITS_SIZE = 16
 
 

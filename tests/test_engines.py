@@ -149,8 +149,8 @@ print("integrations:", sorted(m for m in sys.modules if m.startswith("distnorm.i
 def test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integration():
     """In a fresh process: ``import distnorm`` imports no engine library, neither
     ``torch._dynamo`` nor torch's FSDP; loading a recipe's configuration (what a ``--check``
-    needs of torch) imports neither torchvision nor, through it, ``torch._dynamo`` (~0.9
-    CPU-seconds of every ``--check`` a launcher runs: config-check-builds-geometry); a plugin,
+    needs of torch) imports neither torchvision nor, through it, ``torch._dynamo`` (paid by
+    every ``--check`` a launcher runs: config-check-builds-geometry); a plugin,
     a training forward and a consistency check import no engine library (the plugin's hook
     imports ``torch._dynamo``); then a
     DeepSpeed engine met by ``wrapper_name`` loads DeepSpeed's integration by its library's

@@ -118,7 +118,7 @@ class ImageSpec(Section):
         try:  # the decoder's rules, on both geometries, before any worker starts
             _check_decoding((), self.reduced_decode, self.decoder, self.decode_device)
             # The geometry matters only to decode_device; building it imports torchvision (and with
-            # it torch._dynamo, ~0.9 CPU-s), which a `--check` or a refused configuration need not pay.
+            # it torch._dynamo), which a `--check` or a refused configuration need not pay.
             for train in (True, False) if self.decode_device is not None else ():
                 _check_decoding(_preset(self.transform, train, self.image_size)[0], self.reduced_decode, self.decoder,
                                 self.decode_device)
