@@ -149,6 +149,7 @@ __all__ = [
     "forward_output",
     "normalize",
     "normalize_backward",
+    "normalize_parts",
     "register",
 ]
 
@@ -281,6 +282,46 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Se
     else:
         plan = _eager_statistics(x, weight, bias, buffers, eta, state)
     return NormalizeFunction.apply(x, weight, bias, plan, state)
+
+
+def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers, eta: Tensor,
+                    state: NormState) -> tuple[Tensor, Tensor, Tensor]:
+    """A CBN / POP-Norm training step for an input that needs no gradient, in parts:
+    ``(x_hat, scale, shift)`` with the layer's output ``y = scale[c] * x_hat + shift[c]``,
+    for a caller that folds ``scale`` and ``shift`` into the linear operation that follows
+    (:mod:`distnorm._folding`).
+
+    The statistics step is :func:`normalize`'s (the same collective, buffer updates and
+    checkpoint stash). ``x_hat = (x - center) / sqrt(var + eps)`` carries no gradient;
+    ``scale`` and ``shift`` (accumulation dtype) have the values ``gamma / rho`` and 0, and
+    the gradients of :func:`normalize_backward` with respect to gamma and beta: with ``g``
+    the gradient of ``y``, ``dL/dscale = T = sum(g * x_hat)`` and ``dL/dshift = S1 =
+    sum(g)``, so with ``db = beta - stopgrad(beta)`` (value 0, derivative 1)::
+
+        scale = gamma / rho - a * beta_coef * db      shift = a * db
+        dgamma = T / rho                              dbeta = a * (S1 - beta_coef * T)
+
+    which is ``backward_sums``' local form (``a`` and ``beta_coef`` from the plan). The
+    input gradient, and so the backward's collective, is never needed.
+    """
+    if torch.compiler.is_compiling():
+        plan = _compiled_statistics(x, weight, bias, buffers, eta, state)
+    else:
+        plan = _eager_statistics(x, weight, bias, buffers, eta, state)
+    if x.numel() == 0:  # kernel contract: no empty input (see channel_affine); the rank still joined the collective
+        x_hat = torch.empty_like(x)
+    else:
+        x_hat = torch.ops.aten.native_batch_norm(x, None, None, plan.center, plan.var, False, 0.0, state.eps)[0]
+    acc = plan.center.dtype
+    db = to_dtype(bias, acc) - to_dtype(bias.detach(), acc)
+    scale = to_dtype(weight, acc) * (1.0 / state.rho) - (plan.grad_scale * plan.beta_coef) * db
+    shift = plan.grad_scale * db
+    if not torch.compiler.is_compiling():  # (no stash under compile; dynamo cannot read grad_fn)
+        node = scale.grad_fn or shift.grad_fn
+        if node is not None:  # the stashed plan lives as long as the graph (NormalizeFunction's ctx.stashed)
+            node.metadata["distnorm_plan"] = state.pending
+            state.pending = None
+    return x_hat, scale, shift
 
 
 def _eager_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from distnorm import _folding
 from distnorm._collectives import ProcessGroup
 from distnorm._wrappers import refuse_wrapped
 from distnorm.layers import SyncBatchNorm, _DistNormLayer, name_layers
@@ -77,6 +78,11 @@ _MUL_TARGETS = {operator.mul, torch.mul, operator.imul}
 class PreNorm(nn.Module):
     """``op(norm(x))``: a pre-operation normalization in front of a conv / linear layer.
 
+    In training, a CBN / POP-Norm whose input needs no gradient (the one before the stem) is
+    folded into a plain convolution after it: the same values and gradients, without the
+    convolution's input gradient that ``norm``'s gamma and beta would otherwise need
+    (:mod:`distnorm._folding`).
+
     The layer's descriptive attributes (``weight``, ``bias``, ``in_channels``,
     ``out_features``, ``kernel_size``, ...) are forwarded to ``op``, so code written for the
     original layer keeps working. Only that fixed list is forwarded: engines that tag
@@ -95,6 +101,8 @@ class PreNorm(nn.Module):
         self.op = op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _folding.folds(self.norm, self.op, x):  # the stem: no input gradient to pay for
+            return _folding.fold_into_conv(x, self.norm, self.op)
         return self.op(self.norm(x))
 
     def __getattr__(self, name: str) -> Any:

@@ -26,8 +26,8 @@ from distnorm._collectives import ProcessGroup
 from distnorm._functions import CBNBuffers, NormState, channel_affine
 from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
-__all__ = ["CBNBuffers", "NormState", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "normalize", "pop_norm",
-           "sync_batch_norm"]
+__all__ = ["CBNBuffers", "NormState", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "normalize",
+           "normalize_parts", "pop_norm", "sync_batch_norm"]
 
 
 def amat_eta(lr: float | torch.Tensor, omega: float) -> float | torch.Tensor:
@@ -104,6 +104,30 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     if state.group() is None:
         _check_local_batch(x, state.name)
     return _functions.normalize(x, weight, bias, buffers, eta, state)
+
+
+def normalize_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: CBNBuffers,
+                    state: NormState, *, eta: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A CBN / POP-Norm training call on an input that needs no gradient, in parts:
+    ``(x_hat, scale, shift)`` with the layer's output ``y = scale[c] * x_hat + shift[c]``.
+
+    For a caller that folds ``scale`` and ``shift`` into the convolution that follows
+    (:class:`distnorm.PreNorm` before the stem): the statistics step is the layer's own (one
+    all-reduce, the buffers updated), and ``scale`` / ``shift`` take gamma's and beta's
+    gradients as the layer's backward gives them
+    (:func:`distnorm._functions.normalize_parts`).
+    """
+    if state.kind != "cbn":
+        raise ValueError(f"{state.name}: normalize_parts is for CBN / POP-Norm layers, got a {state.kind!r} layer")
+    if x.requires_grad:
+        raise ValueError(f"{state.name}: normalize_parts computes no input gradient, but the input requires one; "
+                         "call normalize instead")
+    _check_input(x, weight.shape[0], state.name)
+    if not isinstance(eta, torch.Tensor):
+        eta = torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)  # no host sync (see normalize)
+    if state.group() is None:
+        _check_local_batch(x, state.name)
+    return _functions.normalize_parts(x, weight, bias, buffers, eta, state)
 
 
 def sync_batch_norm(  # torch.nn.functional.batch_norm's arguments, then where to synchronize

@@ -207,6 +207,18 @@ class _CompleteNorm(_DistNormLayer):
             self._warn_once_without_lr()  # after the input was checked: a bad input raises first
         return y
 
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The training forward on an input that needs no gradient, in parts ``(x_hat,
+        scale, shift)`` with ``forward(x) = scale[c] * x_hat + shift[c]``: for
+        :class:`distnorm.PreNorm`, which folds ``scale`` and ``shift`` into the convolution
+        after it (:func:`distnorm.functional.normalize_parts`)."""
+        if not self.training:
+            raise RuntimeError(f"{self._layer_name()}: forward_parts is a training forward; call the layer in eval()")
+        parts = functional.normalize_parts(x, self.weight, self.bias, self._statistics(), self._state,
+                                           eta=self.amat_eta)
+        self._warn_once_without_lr()
+        return parts
+
     def _warn_once_without_lr(self) -> None:
         global _warned_no_lr
         # is_compiling() first: reading the Python float ``self.lr`` inside a compiled region

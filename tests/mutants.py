@@ -1179,6 +1179,46 @@ MUTANTS: list[Mutant] = [
         '_AGREED: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, TritonState]]" = {}\n',
         ("tests/test_exit.py::test_no_distnorm_cache_keeps_a_destroyed_group_alive",),
     ),
+    Mutant(
+        "fold-drops-beta-statistics-path",
+        "a CBN before the stem is folded into its convolution: the float64 reference's values and gradients, without the stem's input gradient",
+        "distnorm/_functions.py",
+        "    scale = to_dtype(weight, acc) * (1.0 / state.rho) - (plan.grad_scale * plan.beta_coef) * db\n",
+        "    scale = to_dtype(weight, acc) * (1.0 / state.rho)\n",
+        ("tests/test_folding.py::test_folded_stem_equals_the_float64_reference",),
+    ),
+    Mutant(
+        "fold-padding-as-interior",
+        "a CBN before the stem is folded into its convolution: the float64 reference's values and gradients, without the stem's input gradient",
+        "distnorm/_folding.py",
+        "    return y.add_(op._conv_forward(image, weight.detach(), None))\n",
+        "    return y.add_(weight.detach().sum(dim=tuple(range(2, weight.dim()))).mv(shift.to(weight.dtype)).view((1, -1) + (1,) * (weight.dim() - 2)))\n",
+        ("tests/test_folding.py::test_folded_stem_equals_the_float64_reference",),
+    ),
+    Mutant(
+        "fold-plan-kept-by-nothing",
+        "a CBN before the stem is folded into its convolution: compiled and checkpointed as eager",
+        "distnorm/_functions.py",
+        '            node.metadata["distnorm_plan"] = state.pending\n',
+        '            node.metadata["distnorm_plan"] = None\n',
+        ("tests/test_folding.py::test_the_folded_stem_compiles_and_checkpoints_as_eager",),
+    ),
+    Mutant(
+        "fold-skips-hooks",
+        "a CBN before the stem is folded into its convolution only where the result is the layers': not into a hooked, grouped or subclassed convolution",
+        "distnorm/_folding.py",
+        "            and type(op) in FOLDABLE and op.groups == 1 and not _hooked(op))\n",
+        "            and type(op) in FOLDABLE and op.groups == 1)\n",
+        ("tests/test_folding.py::test_it_folds_only_where_the_result_is_the_layers",),
+    ),
+    Mutant(
+        "fold-never-taken",
+        "a CBN before the stem is folded into its convolution: the float64 reference's values and gradients, without the stem's input gradient",
+        "distnorm/convert.py",
+        "        if _folding.folds(self.norm, self.op, x):  # the stem: no input gradient to pay for\n",
+        "        if False:  # the stem: no input gradient to pay for\n",
+        ("tests/test_folding.py::test_the_folded_stem_computes_no_input_gradient",),
+    ),
 ]
 
 

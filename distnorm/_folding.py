@@ -1,0 +1,75 @@
+"""A pre-operation CBN folded into the convolution after it, where its input needs no gradient.
+
+``distnorm.convert(norm="cbn")`` puts a CBN before every convolution, the stem's too: a CBN
+on the image. Computed as written, ``conv(cbn(x))``, its gamma and beta need ``g``, the
+gradient of the convolution's *input* — for the stem a full convolution backward over the
+images, which a BatchNorm after the stem never computes (``docs/reference/benchmarks.md``).
+
+CBN's output is a per-channel affine map of its normalized input, ``y = s * x_hat + t``
+(:meth:`distnorm.CBN.forward_parts`; ``t`` is 0 in value and carries beta's gradient), and
+a convolution is linear, so::
+
+    conv(s * x_hat + t; W) = conv(x_hat; W * s) + conv(t; W)
+
+with ``s`` scaling ``W``'s input channels, and ``conv(t; W)`` the convolution of one image
+filled with ``t`` (its borders see the zero padding, as ``t`` would). The gradients follow
+without ``g``: ``dL/ds = sum over (o, k) of dL/d(W * s) * W`` from the convolution's weight
+gradient, which the step computes anyway, and ``dL/dt`` from the one-image convolution's
+input gradient, ``1/N`` of the cost. Exact in real arithmetic; rounding differs from the
+unfolded form by a few ulps (``tests/test_folding.py`` checks it against the float64
+reference and the unfolded layer).
+
+Only the plain case folds (:func:`folds`), and every rank decides alike — it depends on the
+model and on whether the input needs a gradient, the same on every rank. The statistics
+step, its collective and the buffer updates are the layer's own either way; only how the
+output reaches the convolution differs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distnorm.layers import _CompleteNorm
+
+__all__ = ["FOLDABLE", "fold_into_conv", "folds"]
+
+#: The convolutions a CBN folds into: these exact classes (a subclass may change its
+#: forward, as timm's ``Conv2dSame`` and ``StdConv2d`` do).
+FOLDABLE: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks: an engine's (DeepSpeed ZeRO-3 gathers a
+    module's parameters in its pre-forward hook), BNP's, or a user's. Folding skips the
+    module's own call, so it must not skip these."""
+    hooks = nn.modules.module
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_pre_hooks or hooks._global_forward_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def folds(norm: nn.Module, op: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``op(norm(x))`` is computed folded (:func:`fold_into_conv`): ``norm`` a CBN
+    / POP-Norm in training mode whose gamma or beta needs a gradient, ``x`` needing none,
+    ``op`` a plain ungrouped convolution called without hooks."""
+    return (isinstance(norm, _CompleteNorm) and norm.training and not x.requires_grad
+            and (norm.weight.requires_grad or norm.bias.requires_grad)
+            and type(op) in FOLDABLE and op.groups == 1 and not _hooked(op))
+
+
+def fold_into_conv(x: torch.Tensor, norm: nn.Module, op: nn.Module) -> torch.Tensor:
+    """``op(norm(x))`` computed as ``conv(x_hat; W * s) + conv(t; W)`` (module docstring).
+
+    ``op``'s own padding mode, stride and dilation apply to both convolutions
+    (``_conv_forward`` is what ``op.forward`` calls). The one-image convolution takes ``W``
+    detached: its input is 0 in value, so ``W``'s gradient through it is 0, and computing it
+    would cost a weight gradient for nothing.
+    """
+    x_hat, scale, shift = norm.forward_parts(x)
+    weight = op.weight
+    per_input_channel = (1, -1) + (1,) * (weight.dim() - 2)
+    y = op._conv_forward(x_hat, weight * scale.to(weight.dtype).view(per_input_channel), op.bias)
+    image = shift.to(weight.dtype).view(per_input_channel).expand((1,) + tuple(x.shape[1:]))
+    # In place: the convolution's backward does not read its output.
+    return y.add_(op._conv_forward(image, weight.detach(), None))
