@@ -7,10 +7,13 @@ Both layers cost more in a model than on their own, for a reason of the model, n
 layer (``docs/reference/benchmarks.md``):
 
 * **CBN's stem.** ``distnorm.convert`` puts a CBN before every convolution, the stem's too: a
-  CBN on the image. Its gamma and beta need the stem convolution's gradient with respect to its
-  input, which a BatchNorm after the stem never asks for. ``cbn_stem_frozen`` is the same model
-  with that CBN's gamma and beta frozen (``requires_grad_(False)``), so nothing asks for it.
-  Against local BatchNorm; the zoo's ResNet-18 at ``bench/step.py``'s per-rank input.
+  CBN on the image. Computed as ``conv(cbn(x))``, its gamma and beta need the stem
+  convolution's gradient with respect to its input, which a BatchNorm after the stem never
+  asks for; ``distnorm.PreNorm`` folds that CBN into the convolution instead
+  (``distnorm._folding``). ``cbn`` is the model as converted (folded),
+  ``cbn_stem_unfolded`` the stem as ``conv(cbn(x))``, ``cbn_stem_frozen`` the stem CBN's gamma
+  and beta frozen (``requires_grad_(False)``: no gradient asked for, the floor). Against local
+  BatchNorm; the zoo's ResNet-18 at ``bench/step.py``'s per-rank input.
 * **BNP's biases.** ``distnorm.bnp.attach`` gives each bias-free layer a zero bias by default
   (``add_bias=True``), for the centring part of its preconditioner (paper 004): each
   convolution's backward then reduces its output gradient for that bias too.
@@ -30,6 +33,7 @@ import torch
 from torch import nn
 
 import distnorm
+from distnorm import _folding
 from _common import interleaved_times, machine, ratio_spread, use_stable_allocator, write_json  # noqa: I001
 from step import build
 
@@ -40,13 +44,18 @@ PARTS = {
 }
 
 
+def _stem(model: nn.Module) -> distnorm.PreNorm:
+    return next(m for m in model.modules() if isinstance(m, distnorm.PreNorm))
+
+
 def _cbn_models() -> dict[str, nn.Module]:
-    models = {"local_bn": build("resnet18", "local_bn"), "cbn": build("resnet18", "cbn"),
-              "cbn_stem_frozen": build("resnet18", "cbn")}
-    stem = next(m for m in models["cbn_stem_frozen"].modules() if isinstance(m, distnorm.CBN))
-    stem.weight.requires_grad_(False)
-    stem.bias.requires_grad_(False)
-    for name in ("cbn", "cbn_stem_frozen"):
+    models = {name: build("resnet18", "local_bn" if name == "local_bn" else "cbn")
+              for name in ("local_bn", "cbn", "cbn_stem_unfolded", "cbn_stem_frozen")}
+    # A convolution with hooks is never folded (distnorm._folding.folds): this no-op hook gives
+    # the stem as conv(cbn(x)), which asks for the convolution's input gradient.
+    _stem(models["cbn_stem_unfolded"]).op.register_forward_pre_hook(lambda module, args: None)
+    _stem(models["cbn_stem_frozen"]).norm.requires_grad_(False)
+    for name in ("cbn", "cbn_stem_unfolded", "cbn_stem_frozen"):
         distnorm.set_lr(models[name], 0.005)  # eta = 0.95: AMAT's history path, as bench/step.py
     return models
 
@@ -61,6 +70,12 @@ def _bnp_models() -> dict[str, nn.Module]:
         if add_bias is not None:
             distnorm.bnp.attach(models[name], add_bias=add_bias)
     return models
+
+
+def _stem_folded(model: nn.Module, x: torch.Tensor) -> bool | None:
+    """Whether the model's first CBN is folded into its convolution (None: no PreNorm)."""
+    pre = next((m for m in model.modules() if isinstance(m, distnorm.PreNorm)), None)
+    return None if pre is None else _folding.folds(pre.norm, pre.op, x)
 
 
 def _frozen(model: nn.Module) -> list[str]:
@@ -92,6 +107,7 @@ def measure(part: str, models: dict[str, nn.Module], batch: int, side: int, clas
         "ratio_per_round_quartiles": ratio_spread(times, base),
         "parameters": {name: sum(1 for _ in model.parameters()) for name, model in models.items()},
         "frozen": {name: _frozen(model) for name, model in models.items()},
+        "stem_folded": {name: _stem_folded(model, x) for name, model in models.items()},
     }
 
 

@@ -138,6 +138,7 @@ from distnorm._fused import grad_coef_of, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
 
 __all__ = [
+    "AffinePartsFunction",
     "CBNBuffers",
     "NormPlan",
     "NormState",
@@ -293,15 +294,8 @@ def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers
 
     The statistics step is :func:`normalize`'s (the same collective, buffer updates and
     checkpoint stash). ``x_hat = (x - center) / sqrt(var + eps)`` carries no gradient;
-    ``scale`` and ``shift`` (accumulation dtype) have the values ``gamma / rho`` and 0, and
-    the gradients of :func:`normalize_backward` with respect to gamma and beta: with ``g``
-    the gradient of ``y``, ``dL/dscale = T = sum(g * x_hat)`` and ``dL/dshift = S1 =
-    sum(g)``, so with ``db = beta - stopgrad(beta)`` (value 0, derivative 1)::
-
-        scale = gamma / rho - a * beta_coef * db      shift = a * db
-        dgamma = T / rho                              dbeta = a * (S1 - beta_coef * T)
-
-    which is ``backward_sums``' local form (``a`` and ``beta_coef`` from the plan). The
+    ``scale = gamma / rho`` and ``shift = 0`` come from :class:`AffinePartsFunction`, whose
+    backward gives gamma and beta the gradients :func:`normalize_backward` gives them. The
     input gradient, and so the backward's collective, is never needed.
     """
     if torch.compiler.is_compiling():
@@ -312,16 +306,42 @@ def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers
         x_hat = torch.empty_like(x)
     else:
         x_hat = torch.ops.aten.native_batch_norm(x, None, None, plan.center, plan.var, False, 0.0, state.eps)[0]
-    acc = plan.center.dtype
-    db = to_dtype(bias, acc) - to_dtype(bias.detach(), acc)
-    scale = to_dtype(weight, acc) * (1.0 / state.rho) - (plan.grad_scale * plan.beta_coef) * db
-    shift = plan.grad_scale * db
-    if not torch.compiler.is_compiling():  # (no stash under compile; dynamo cannot read grad_fn)
-        node = scale.grad_fn or shift.grad_fn
-        if node is not None:  # the stashed plan lives as long as the graph (NormalizeFunction's ctx.stashed)
-            node.metadata["distnorm_plan"] = state.pending
-            state.pending = None
+    scale, shift = AffinePartsFunction.apply(weight, bias, plan, state)
     return x_hat, scale, shift
+
+
+class AffinePartsFunction(torch.autograd.Function):
+    """``(scale, shift) = (gamma / rho, 0)`` (accumulation dtype): the per-channel parts of
+    CBN's output ``y = scale * x_hat + shift`` (:func:`normalize_parts`).
+
+    The backward receives ``dL/dscale = T = sum(g * x_hat)`` and ``dL/dshift = S1 = sum(g)``
+    (``g`` the gradient of ``y``), the local sums :func:`normalize_backward` takes from ATen's
+    kernel, and maps them as it does, with ``distnorm::backward_sums``: ``dgamma = T / rho``,
+    ``dbeta = a (S1 - beta_coef T)`` (the plan's ``a`` and ``beta_coef``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, bias: Tensor, plan: NormPlan, state: NormState) -> tuple[Tensor, Tensor]:
+        scale = to_dtype(weight, plan.center.dtype) * (1.0 / state.rho)  # a new tensor, never weight itself
+        ctx.save_for_backward(plan.grad_scale, plan.grad_coef, plan.beta_coef)
+        ctx.state = state
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, bias.dtype
+        if not torch.compiler.is_compiling():
+            ctx.stashed = state.pending  # keeps the stashed plan alive as long as this node (NormalizeFunction)
+            state.pending = None
+        return scale, torch.zeros_like(scale)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_scale: Tensor, grad_shift: Tensor) -> tuple[Tensor | None, ...]:
+        a, grad_coef, beta_coef = ctx.saved_tensors
+        state = ctx.state
+        # Under torch.compile the backward is traced ahead of the run, so no host choice is
+        # baked in: the composite there (the compiled layer's backward operator decides at run time).
+        kernel = "composite" if torch.compiler.is_compiling() else _fused.kernel_choice(state.group(), a.device)
+        _, grad_weight, grad_bias, _, _ = torch.ops.distnorm.backward_sums(
+            grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho, kernel)
+        return to_dtype(grad_weight, ctx.weight_dtype), to_dtype(grad_bias, ctx.bias_dtype), None, None
 
 
 def _eager_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],

@@ -377,19 +377,23 @@ def test_profile_step_and_host_cost_name_what_runs(tmp_path, monkeypatch):
 
 def test_model_choices_measures_what_it_names(tmp_path, monkeypatch):
     """bench/model_choices.py in its smoke sizes, in this process: each part's variants against
-    its baseline, every figure a measurement, and each variant the model it names: only the
-    stem CBN's gamma and beta frozen (the first CBN, on the image), and BNP's zero biases added
-    by default, none with add_bias=False."""
+    its baseline, every figure a measurement, and each variant the model it names: the stem CBN
+    (the first, on the image) folded into its convolution as converted, not with a hook on the
+    convolution, its gamma and beta frozen in the third; BNP's zero biases added by default,
+    none with add_bias=False."""
     choices = _bench_module("model_choices", monkeypatch)
     result = choices.main(["--smoke", "--json", str(tmp_path / "choices.json")])
     assert json.loads((tmp_path / "choices.json").read_text()) == result
     stem, biases = result["parts"]["cbn_stem"], result["parts"]["bnp_biases"]
-    assert (stem["baseline"], list(stem["ratio"])) == ("local_bn", ["cbn", "cbn_stem_frozen"])
+    assert (stem["baseline"], list(stem["ratio"])) == ("local_bn", ["cbn", "cbn_stem_unfolded", "cbn_stem_frozen"])
     assert (biases["baseline"], list(biases["ratio"])) == ("plain", ["bnp", "bnp_no_bias"])
     for part in (stem, biases):
         _measured(part["ratio"])
         _measured({name: float(ms) for name, ms in part["median_step_ms"].items()})
-    assert stem["frozen"] == {"local_bn": [], "cbn": [], "cbn_stem_frozen": ["conv1.norm.weight", "conv1.norm.bias"]}
+    assert stem["frozen"] == {"local_bn": [], "cbn": [], "cbn_stem_unfolded": [],
+                              "cbn_stem_frozen": ["conv1.norm.weight", "conv1.norm.bias"]}
+    assert stem["stem_folded"] == {"local_bn": None, "cbn": True, "cbn_stem_unfolded": False, "cbn_stem_frozen": False}
+    assert biases["stem_folded"] == dict.fromkeys(biases["ratio"] | {"plain": 0}, None)
     # torchvision's ResNet-18: 20 bias-free convolutions; the fc has its own bias
     assert biases["parameters"]["bnp"] == biases["parameters"]["plain"] + 20
     assert biases["parameters"]["bnp_no_bias"] == biases["parameters"]["plain"]

@@ -95,6 +95,36 @@ def _count_bn2d() -> OpCounter:
     return counter
 
 
+#: Dispatched ops of a training step (forward + backward, gradients accumulated) of the stem as
+#: ``distnorm.convert`` makes it, CBN(3) + a 7 x 7 stride-2 convolution, folded and not: the
+#: fold (distnorm._folding) trades the convolution's input gradient over the batch for small
+#: operators (per-channel, one-image). Ceilings at today's counts.
+STEM_OPS = {"folded": 26, "unfolded": 11}
+
+
+def test_the_folded_stem_trades_the_input_gradient_for_small_operators():
+    """Bug caught: the fold's per-channel algebra written as autograd arithmetic (38 ops a
+    step: each multiply and subtraction of gamma and beta dispatched forward and backward)
+    instead of one Function whose backward is ``distnorm::backward_sums``, as the layer's."""
+    x = torch.randn(8, 3, 32, 32)
+    counts = {}
+    for mode in STEM_OPS:
+        stem = distnorm.PreNorm(distnorm.CBN(3), nn.Conv2d(3, 16, 7, stride=2, padding=3, bias=False))
+        distnorm.set_lr(stem, 0.01)
+        if mode == "unfolded":
+            stem.op.register_forward_pre_hook(lambda module, args: None)  # a hooked convolution is not folded
+        grad = torch.randn(8, 16, 16, 16)
+        stem(x).backward(grad)  # a whole step first (cached constants), and gradients to accumulate into
+        with OpCounter() as counter:
+            stem(x).backward(grad)
+        counts[mode] = counter
+        assert counter.host_syncs == 0, mode
+    conv_backwards = {mode: c.ops.count("aten.convolution_backward.default") for mode, c in counts.items()}
+    assert conv_backwards == {"folded": 2, "unfolded": 1}  # the one-image convolution's added
+    for mode, counter in counts.items():
+        assert len(counter) <= STEM_OPS[mode], (mode, counter.ops)
+
+
 def test_the_pass_counter_counts_what_a_kernel_moves():
     """The byte rules the ceilings stand on: a view is free, an in-place op reads and writes
     its argument once, an ``out=`` argument is written only, a per-channel vector expanded
