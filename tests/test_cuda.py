@@ -199,6 +199,28 @@ def test_cuda_checkpointing_updates_buffers_once(use_reentrant):
     _checkpoint_run(use_reentrant, device="cuda")  # equal to the plain run, buffers updated once
 
 
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cuda_folded_stem_matches_cpu_float64(channels_last):
+    """The CBN folded into the stem convolution (``distnorm._folding``) on CUDA, float32,
+    against the float64 reference on the CPU over AMAT's phases (``tests/test_folding.py``)."""
+    from tests.test_folding import CONVS, LRS as FOLD_LRS, _batch as stem_batch, _loss, _pre_norm, _reference_run
+
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    pre = _pre_norm("cbn", "2d-stem")
+    gpu = copy.deepcopy(pre).to(device="cuda", dtype=torch.float32, memory_format=memory_format)
+    for step, (y_ref, grads_ref, _) in enumerate(_reference_run(pre, "cbn", "2d-stem", 8)):
+        x, seed = stem_batch(step, 8, CONVS["2d-stem"][1])
+        distnorm.set_lr(gpu, FOLD_LRS[step])
+        gpu.zero_grad()
+        y = gpu(x.to(device="cuda", dtype=torch.float32, memory_format=memory_format))
+        _loss(y, seed).backward()
+        assert y.is_contiguous(memory_format=memory_format)
+        for got, want in zip([y] + [p.grad for p in gpu.parameters()], [y_ref] + grads_ref):
+            torch.testing.assert_close(got.detach().cpu().double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
 class _PooledBatches(torch.utils.data.IterableDataset):
     """Batch ``i`` filled with ``i``, written into the worker's pooled shared buffers."""
 

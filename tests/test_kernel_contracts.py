@@ -127,6 +127,23 @@ def test_bnp_calls_meet_the_cuda_kernel_contract():
     assert checker.violations == []
 
 
+def test_the_folded_stem_meets_the_cuda_kernel_contract():
+    """The CBN folded into the stem convolution (``distnorm._folding``) normalizes through
+    ``native_batch_norm`` without weight and bias: every dtype and layout a stem sees,
+    autocast included."""
+    for dtype, layout, autocast in ((torch.float32, "4d", False), (torch.float32, "channels_last", False),
+                                    (torch.float64, "4d", False), (torch.float32, "channels_last", True)):
+        stem = distnorm.PreNorm(distnorm.CBN(6), nn.Conv2d(6, 4, 3, padding=1)).to(dtype)
+        distnorm.set_lr(stem, 0.01)
+        x = _layout(layout, 6).to(dtype)
+        stem(x)  # initialise AMAT: the second step takes the history path
+        with CudaContractChecker() as checker, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            stem(x).float().square().sum().backward()
+        assert checker.violations == [], (dtype, layout, checker.violations)
+        assert checker.calls["aten.native_batch_norm.default"] == 1  # the fold's x_hat
+        assert checker.calls["aten.native_batch_norm_backward.default"] == 0  # folded: no input gradient
+
+
 def test_the_checker_rejects_what_cuda_rejects():
     """The contract test can fail: each rule catches the call it stands for."""
     x, g = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2)
