@@ -53,9 +53,10 @@ def folds(norm: nn.Module, op: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``op(norm(x))`` is computed folded (:func:`fold_into_conv`): ``norm`` a CBN
     / POP-Norm in training mode whose gamma or beta needs a gradient, ``x`` needing none,
     ``op`` a plain ungrouped convolution called without hooks."""
-    return (isinstance(norm, _CompleteNorm) and norm.training and not x.requires_grad
-            and (norm.weight.requires_grad or norm.bias.requires_grad)
-            and type(op) in FOLDABLE and op.groups == 1 and not _hooked(op))
+    # Cheapest first: every PreNorm after the stem has an input that needs a gradient, and a
+    # GPU step is bound by the host's time per layer.
+    return (not x.requires_grad and type(op) in FOLDABLE and isinstance(norm, _CompleteNorm) and norm.training
+            and (norm.weight.requires_grad or norm.bias.requires_grad) and op.groups == 1 and not _hooked(op))
 
 
 def fold_into_conv(x: torch.Tensor, norm: nn.Module, op: nn.Module) -> torch.Tensor:
