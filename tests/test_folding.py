@@ -148,10 +148,19 @@ class _Conv2dSubclass(nn.Conv2d):
     pass
 
 
+class _CBNSubclass(distnorm.CBN):
+    pass
+
+
 def test_it_folds_only_where_the_result_is_the_layers():
-    """Bug caught: folding skipped a hooked convolution's call (DeepSpeed ZeRO-3 gathers its
-    weight in a pre-forward hook; BNP reads its input in one), changed a convolution
-    subclass's forward (timm's ``StdConv2d`` standardizes its weight), or ran in eval."""
+    """Bugs caught: folding skipped a hooked module's call (DeepSpeed ZeRO-3 gathers a
+    convolution's weight in a pre-forward hook, FSDP2 a CBN's; BNP reads the convolution's
+    input in one) or an instance's replaced ``forward`` (Accelerate's ``cpu_offload``: the
+    weight stayed on ``meta`` and the output was garbage, without an error), changed a
+    subclass's forward (timm's ``StdConv2d`` standardizes its weight), ran in eval, or
+    ran under ``no_grad`` where it saves nothing."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
     x = _batch(0, 4, CONVS["2d-stem"][1])[0]
     assert _convolutions(_pre_norm("cbn", "2d-stem"), x) == 2  # folded: the batch and the one image
 
@@ -159,17 +168,35 @@ def test_it_folds_only_where_the_result_is_the_layers():
         return _convolutions(pre, x) == 1
 
     assert unfolded(_pre_norm("cbn", "2d-stem"), x.clone().requires_grad_())
-    hooked = _pre_norm("cbn", "2d-stem")
-    hooked.op.register_forward_pre_hook(lambda module, args: None)
-    assert unfolded(hooked)
+    with torch.no_grad():
+        assert unfolded(_pre_norm("cbn", "2d-stem"))
+    for owner in ("op", "norm"):
+        hooked = _pre_norm("cbn", "2d-stem")
+        getattr(hooked, owner).register_forward_pre_hook(lambda module, args: None)
+        assert unfolded(hooked), owner
+
+    class Doubled(ModelHook):  # Accelerate's hooks replace the instance's forward
+        def post_forward(self, module, output):
+            return 2 * output
+
+    for owner in ("op", "norm"):
+        plain, accelerated = _pre_norm("cbn", "2d-stem"), _pre_norm("cbn", "2d-stem")
+        add_hook_to_module(getattr(accelerated, owner), Doubled())
+        assert not _folding.folds(accelerated.norm, accelerated.op, x), owner
+        for pre in (plain, accelerated):
+            distnorm.set_lr(pre, 0.2)
+        expected = 2 * plain(x) if owner == "op" else plain.op(2 * plain.norm(x))
+        torch.testing.assert_close(accelerated(x), expected, atol=1e-10, rtol=0, msg=owner)  # the hook ran
     grouped = PreNorm(distnorm.CBN(4), nn.Conv2d(4, 4, 3, groups=2))
     assert unfolded(grouped, torch.randn(4, 4, 5, 5))
-    subclass = PreNorm(distnorm.CBN(3), _Conv2dSubclass(3, 4, 3))
-    assert unfolded(subclass, torch.randn(4, 3, 5, 5))
+    for subclass in (PreNorm(distnorm.CBN(3), _Conv2dSubclass(3, 4, 3)), PreNorm(_CBNSubclass(3), nn.Conv2d(3, 4, 3))):
+        assert unfolded(subclass, torch.randn(4, 3, 5, 5))
     frozen = _pre_norm("cbn", "2d-stem")
     frozen.norm.requires_grad_(False)
     assert unfolded(frozen)
     assert unfolded(_pre_norm("cbn", "2d-stem").eval())
+    with pytest.raises(TypeError, match="expected a torch.Tensor input"):
+        _pre_norm("cbn", "2d-stem")([x])
     linear = PreNorm(distnorm.CBN(3), nn.Linear(3, 2))
     assert not _folding.folds(linear.norm, linear.op, torch.randn(4, 3))
     handle = nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
