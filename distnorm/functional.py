@@ -119,10 +119,10 @@ def normalize_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, b
     """
     if state.kind != "cbn":
         raise ValueError(f"{state.name}: normalize_parts is for CBN / POP-Norm layers, got a {state.kind!r} layer")
+    _check_input(x, weight.shape[0], state.name)
     if x.requires_grad:
         raise ValueError(f"{state.name}: normalize_parts computes no input gradient, but the input requires one; "
                          "call normalize instead")
-    _check_input(x, weight.shape[0], state.name)
     if not isinstance(eta, torch.Tensor):
         eta = torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)  # no host sync (see normalize)
     if state.group() is None:

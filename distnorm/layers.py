@@ -211,9 +211,20 @@ class _CompleteNorm(_DistNormLayer):
         """The training forward on an input that needs no gradient, in parts ``(x_hat,
         scale, shift)`` with ``forward(x) = scale[c] * x_hat + shift[c]``: for
         :class:`distnorm.PreNorm`, which folds ``scale`` and ``shift`` into the convolution
-        after it (:func:`distnorm.functional.normalize_parts`)."""
+        after it (:func:`distnorm.functional.normalize_parts`).
+
+        Example:
+            >>> cbn, twin = CBN(3), CBN(3)
+            >>> cbn.set_lr(0.2); twin.set_lr(0.2)
+            >>> x = torch.randn(8, 3, 4, 4)
+            >>> x_hat, scale, shift = cbn.forward_parts(x)
+            >>> y = scale.view(1, 3, 1, 1) * x_hat + shift.view(1, 3, 1, 1)
+            >>> torch.allclose(y, twin(x), atol=1e-6)
+            True
+        """
         if not self.training:
-            raise RuntimeError(f"{self._layer_name()}: forward_parts is a training forward; call the layer in eval()")
+            raise RuntimeError(f"{self._layer_name()}: forward_parts computes a training step; in eval() mode call "
+                               "the layer itself")
         parts = functional.normalize_parts(x, self.weight, self.bias, self._statistics(), self._state,
                                            eta=self.amat_eta)
         self._warn_once_without_lr()
