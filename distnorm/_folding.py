@@ -84,6 +84,9 @@ def fold_into_conv(x: torch.Tensor, norm: nn.Module, op: nn.Module) -> torch.Ten
     weight = op.weight
     per_input_channel = (1, -1) + (1,) * (weight.dim() - 2)
     y = op._conv_forward(x_hat, weight * scale.to(weight.dtype).view(per_input_channel), op.bias)
+    # A stride-0 view: ATen's convolution makes it contiguous for the kernels that need it
+    # (aten/src/ATen/native/Convolution.cpp, _convolution, ConvBackend::Cudnn:
+    # input.contiguous(backend_memory_format)); the CPU's takes it as it is.
     image = shift.to(weight.dtype).view(per_input_channel).expand((1,) + tuple(x.shape[1:]))
     with torch.autocast(x.device.type, enabled=False):
         bias_image = op._conv_forward(image, weight.detach(), None)
