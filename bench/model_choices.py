@@ -44,17 +44,11 @@ PARTS = {
 }
 
 
-def _stem(model: nn.Module) -> distnorm.PreNorm:
-    return next(m for m in model.modules() if isinstance(m, distnorm.PreNorm))
-
-
 def _cbn_models() -> dict[str, nn.Module]:
-    models = {name: build("resnet18", "local_bn" if name == "local_bn" else "cbn")
-              for name in ("local_bn", "cbn", "cbn_stem_unfolded", "cbn_stem_frozen")}
-    # A convolution with hooks is never folded (distnorm._folding.folds): this no-op hook gives
-    # the stem as conv(cbn(x)), which asks for the convolution's input gradient.
-    _stem(models["cbn_stem_unfolded"]).op.register_forward_pre_hook(lambda module, args: None)
-    _stem(models["cbn_stem_frozen"]).norm.requires_grad_(False)
+    models = {"local_bn": build("resnet18", "local_bn"), "cbn": build("resnet18", "cbn"),
+              "cbn_stem_unfolded": build("resnet18", "cbn_unfolded"), "cbn_stem_frozen": build("resnet18", "cbn")}
+    stem = next(m for m in models["cbn_stem_frozen"].modules() if isinstance(m, distnorm.PreNorm))
+    stem.norm.requires_grad_(False)
     for name in ("cbn", "cbn_stem_unfolded", "cbn_stem_frozen"):
         distnorm.set_lr(models[name], 0.005)  # eta = 0.95: AMAT's history path, as bench/step.py
     return models

@@ -51,9 +51,11 @@ MODELS = {"resnet18": (128, 8, 64, 2), "resnet20": (32, 64, 32, 8)}
 
 
 #: variant: the ``norm`` of ``models.create``; ``bnp`` / ``bnp_gn`` then attach BNP (paper 004
-#: preconditions local BN, and GroupNorm in place of BN for ResNets).
+#: preconditions local BN, and GroupNorm in place of BN for ResNets); ``cbn_unfolded`` is CBN
+#: with the stem computed as ``conv(cbn(x))`` (not one of this script's variants: for
+#: ``bench/model_choices.py`` and ``bench/step_gpu.py --variants``).
 NORM_OF = {"local_bn": "keep", "cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn", "naive_syncbn": "keep",
-           "bnp": "keep", "bnp_gn": "gn"}
+           "bnp": "keep", "bnp_gn": "gn", "cbn_unfolded": "cbn"}
 
 
 def build(name: str, variant: str, num_classes: int = 10) -> nn.Module:
@@ -64,6 +66,11 @@ def build(name: str, variant: str, num_classes: int = 10) -> nn.Module:
         naive_sync(model)
     if variant in ("bnp", "bnp_gn"):
         distnorm.bnp.attach(model)
+    if variant == "cbn_unfolded":
+        # A convolution with hooks is never folded (distnorm._folding.folds): this no-op hook
+        # gives the stem as conv(cbn(x)), which asks for the convolution's input gradient.
+        stem = next(m for m in model.modules() if isinstance(m, distnorm.PreNorm))
+        stem.op.register_forward_pre_hook(lambda module, args: None)
     return model
 
 

@@ -7,10 +7,11 @@ BatchNorm, eager and ``torch.compile``d, in the same run.
 ResNet-50, ResNet-18 and EfficientNet-B0 (torchvision, 1000 classes, their own activations)
 at 224 px, batch 256, bf16 autocast, channels_last, SGD (momentum 0.9, weight decay 1e-4,
 lr 0.01 so that AMAT's eta = 0.9: CBN's history path, the most expensive one; ``set_lr`` is
-called before every step, as a recipe does), in five variants built by ``bench/step.py``'s
+called before every step, as a recipe does), in six variants built by ``bench/step.py``'s
 ``build``: PyTorch's local ``nn.BatchNorm2d`` (the model as built: the baseline), distnorm's
-``SyncBatchNorm`` (``norm="bn"``), CBN, POP-Norm, and GroupNorm + BNP (``norm="gn"`` then
-``bnp.attach``). Each runs eager and with the model ``torch.compile``d (the optimizer step
+``SyncBatchNorm`` (``norm="bn"``), CBN, POP-Norm, GroupNorm + BNP (``norm="gn"`` then
+``bnp.attach``), and CBN with its stem computed as ``conv(cbn(x))`` (``cbn_unfolded``: what
+folding the stem CBN into its convolution saves, ``distnorm._folding``). Each runs eager and with the model ``torch.compile``d (the optimizer step
 stays eager). One process: the synchronized layers have no peers and skip their collectives,
 so this measures what the layers cost in compute and kernel launches; ``bench/step.py``
 measures the collectives under DDP.
@@ -53,7 +54,7 @@ from distnorm import models
 from distnorm._fused import triton_state
 
 MODELS = ("resnet50", "resnet18", "efficientnet_b0")
-VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn")
+VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded")
 MODES = ("eager", "compile")
 BASELINE = ("local_bn", "eager")
 LR = 0.01

@@ -169,7 +169,7 @@ def test_bench_step_gpu_smoke(step_gpu_smoke):
     assert result["config"] | {"batch": 2, "size": 32} == result["config"] and result["config"]["amp"] == "bf16"
     assert result["complete"] is True and result["config"]["modes"] == ["eager", "compile"]
     (name,) = result["models"]
-    variants = ["local_bn", "syncbn", "cbn", "popnorm", "bnp_gn"]
+    variants = ["local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded"]
     # the eager block, then the compiled block: local BN eager (its baseline), every variant compiled
     assert [(b["model"], b["variant"], b["mode"]) for b in result["built"]] == (
         [(name, v, "eager") for v in variants] + [(name, "local_bn", "eager")] + [(name, v, "compile") for v in variants])
