@@ -278,11 +278,7 @@ def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Se
     ``buffers``: a :class:`CBNBuffers` for CBN / POP-Norm, with ``eta`` AMAT's (0-dim);
     ``(running_mean, running_var, num_batches_tracked)`` for BN, any of them None.
     """
-    if torch.compiler.is_compiling():
-        plan = _compiled_statistics(x, weight, bias, buffers, eta, state)
-    else:
-        plan = _eager_statistics(x, weight, bias, buffers, eta, state)
-    return NormalizeFunction.apply(x, weight, bias, plan, state)
+    return NormalizeFunction.apply(x, weight, bias, _statistics(x, weight, bias, buffers, eta, state), state)
 
 
 def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers, eta: Tensor,
@@ -298,10 +294,7 @@ def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers
     backward gives gamma and beta the gradients :func:`normalize_backward` gives them. The
     input gradient, and so the backward's collective, is never needed.
     """
-    if torch.compiler.is_compiling():
-        plan = _compiled_statistics(x, weight, bias, buffers, eta, state)
-    else:
-        plan = _eager_statistics(x, weight, bias, buffers, eta, state)
+    plan = _statistics(x, weight, bias, buffers, eta, state)
     if x.numel() == 0:  # kernel contract: no empty input (see channel_affine); the rank still joined the collective
         x_hat = torch.empty_like(x)
     else:
@@ -342,6 +335,15 @@ class AffinePartsFunction(torch.autograd.Function):
         _, grad_weight, grad_bias, _, _ = torch.ops.distnorm.backward_sums(
             grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho, kernel)
         return to_dtype(grad_weight, ctx.weight_dtype), to_dtype(grad_bias, ctx.bias_dtype), None, None
+
+
+def _statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
+                eta: Tensor | None, state: NormState) -> NormPlan:
+    """The statistics step of a training call: as an opaque operator under ``torch.compile``,
+    else eagerly (with the checkpoint stash)."""
+    if torch.compiler.is_compiling():
+        return _compiled_statistics(x, weight, bias, buffers, eta, state)
+    return _eager_statistics(x, weight, bias, buffers, eta, state)
 
 
 def _eager_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],

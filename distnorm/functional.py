@@ -61,6 +61,15 @@ def _check_input(x: torch.Tensor, num_features: int, layer: str) -> None:
         )
 
 
+def _eta_tensor(eta: float | torch.Tensor, buffers: Sequence[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """CBN's AMAT ``eta`` as a 0-dim tensor of the buffers' dtype on ``x``'s device. No host
+    sync: ``torch.tensor(eta, device="cuda")`` would copy from the host and wait for it;
+    ``torch.full`` launches a fill kernel."""
+    if isinstance(eta, torch.Tensor):
+        return eta
+    return torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)
+
+
 def _check_local_batch(x: torch.Tensor, layer: str) -> None:
     # Without synchronization the batch is all there is: one value per channel has no
     # variance (PyTorch raises the same error).
@@ -90,10 +99,8 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     """
     channels = weight if weight is not None else buffers[0]
     _check_input(x, channels.shape[0] if channels is not None else x.shape[1], state.name)
-    if state.kind == "cbn" and not isinstance(eta, torch.Tensor):
-        # No host sync: torch.tensor(eta, device="cuda") would copy from the host and wait for
-        # it; torch.full launches a fill kernel.
-        eta = torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)
+    if state.kind == "cbn":
+        eta = _eta_tensor(eta, buffers, x)
     if not training:
         if state.kind == "bn":
             # PyTorch's semantics: running statistics, or this batch's when none are tracked.
@@ -123,11 +130,9 @@ def normalize_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, b
     if x.requires_grad:
         raise ValueError(f"{state.name}: normalize_parts computes no input gradient, but the input requires one; "
                          "call normalize instead")
-    if not isinstance(eta, torch.Tensor):
-        eta = torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)  # no host sync (see normalize)
     if state.group() is None:
         _check_local_batch(x, state.name)
-    return _functions.normalize_parts(x, weight, bias, buffers, eta, state)
+    return _functions.normalize_parts(x, weight, bias, buffers, _eta_tensor(eta, buffers, x), state)
 
 
 def sync_batch_norm(  # torch.nn.functional.batch_norm's arguments, then where to synchronize

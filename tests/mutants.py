@@ -310,8 +310,8 @@ MUTANTS: list[Mutant] = [
         "host-sync-eta",
         "no path synchronizes with the host (torch.tensor(eta, device=...) in functional.cbn)",
         "distnorm/functional.py",
-        "        eta = torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)\n",
-        "        eta = torch.tensor(float(eta), dtype=buffers[0].dtype, device=x.device)\n",
+        "    return torch.full((), float(eta), dtype=buffers[0].dtype, device=x.device)\n",
+        "    return torch.tensor(float(eta), dtype=buffers[0].dtype, device=x.device)\n",
         ("tests/test_step_cost.py::test_no_host_sync_on_any_per_step_path",),
     ),
     Mutant(
