@@ -7,12 +7,18 @@ Quick start::
     distnorm.set_lr(model, lr)           # AMAT follows the optimizer's learning rate
     distnorm.check_consistency(model)    # buffers are bit-identical on every rank
 
-``import distnorm`` needs only torch (>= 2.4); integrations are imported lazily.
+``import distnorm`` checks the installed torch (>= 2.4) without importing it; each name
+loads its module, and torch, at first use, so the recipe's command line checks a
+configuration without torch (:mod:`distnorm.train.checks`). Where torch is already imported,
+``import distnorm`` registers the operators (``torch.ops.distnorm.*``) at once. Integrations
+are imported lazily too.
 """
 
+import importlib as _importlib
 import re as _re
-
-from torch import __version__ as _torch_version
+import sys as _sys
+import types as _types
+from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
 
 #: The oldest torch distnorm runs on: ``torch.library.register_fake`` (the fake kernels of
 #: the operators in ``distnorm._functions``, what ``torch.compile`` sees) came with 2.4.
@@ -36,25 +42,94 @@ def _require_torch(version: str, floor: tuple[int, int] = _TORCH_FLOOR) -> None:
         raise ImportError(f"distnorm needs torch>={need} (found {version}): pip install 'torch>={need}'")
 
 
-_require_torch(_torch_version)
+def _torch_version() -> str:
+    """The installed torch's version, without importing it (its distribution metadata; a torch
+    already imported answers for itself). ``""`` where neither says: nothing to compare."""
+    torch = _sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    from importlib import metadata
 
-# After the check: on an older torch, distnorm._functions fails with an AttributeError instead.
-from distnorm import bnp, functional
-from distnorm._collectives import norm_group
-from distnorm._debug import debug
-from distnorm.config import DistNormConfig, add_arguments
-from distnorm.consistency import check_consistency
-from distnorm.convert import PreNorm, conversion_summary, convert, revert
-from distnorm.errors import (
-    CollectiveFailedError,
-    CollectiveMismatchError,
-    DistNormError,
-    InconsistentStateError,
-    NonFiniteStatisticsError,
-)
-from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
-from distnorm.plugin import DistNormPlugin, ddp_kwargs
-from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:  # not installed, or not as a distribution: the import says
+        return ""
+
+
+_require_torch(_torch_version())
+
+# The public names, imported at first use (PEP 562): ``import distnorm`` loads no torch, so the
+# recipe's command line checks a configuration (``distnorm-train --check``, a refused key) in a
+# tenth of a second instead of the second or more that ``import torch`` costs every process.
+_EXPORTS = {
+    "bnp": None, "functional": None,  # submodules
+    "norm_group": "_collectives",
+    "debug": "_debug",
+    "DistNormConfig": "config", "add_arguments": "config",
+    "check_consistency": "consistency",
+    "PreNorm": "convert", "conversion_summary": "convert", "convert": "convert", "revert": "convert",
+    "CollectiveFailedError": "errors", "CollectiveMismatchError": "errors", "DistNormError": "errors",
+    "InconsistentStateError": "errors", "NonFiniteStatisticsError": "errors",
+    "CBN": "layers", "POPNorm": "layers", "SyncBatchNorm": "layers", "name_layers": "layers", "set_lr": "layers",
+    "DistNormPlugin": "plugin", "ddp_kwargs": "plugin",
+    "BNPSpec": "specs", "CBNSpec": "specs", "GNSpec": "specs", "POPNormSpec": "specs", "SyncBNSpec": "specs",
+}
+
+
+def __getattr__(name: str) -> _Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'distnorm' has no attribute {name!r}")
+    module = _EXPORTS[name]
+    value = _importlib.import_module(f"distnorm.{module or name}")
+    if module is not None:
+        value = getattr(value, name)
+    globals()[name] = value  # once: later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(_types.ModuleType):
+    """``distnorm.convert`` is the function, also once its submodule is imported.
+
+    Importing a submodule sets it as an attribute of its package, so any ``from
+    distnorm.convert import ...`` (``distnorm.models`` has one) would otherwise leave the
+    module where ``distnorm.convert(model)`` expects the function.
+    """
+
+    def __setattr__(self, name: str, value: _Any) -> None:
+        if name == "convert" and isinstance(value, _types.ModuleType):
+            value = value.convert
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
+if "torch" in _sys.modules:
+    # torch is loaded anyway: register distnorm's operators (torch.ops.distnorm.*) now, as a
+    # program compiled or exported with them, loaded after `import distnorm`, expects.
+    _importlib.import_module("distnorm._functions")
+
+
+if _TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from distnorm import bnp, functional
+    from distnorm._collectives import norm_group
+    from distnorm._debug import debug
+    from distnorm.config import DistNormConfig, add_arguments
+    from distnorm.consistency import check_consistency
+    from distnorm.convert import PreNorm, conversion_summary, convert, revert
+    from distnorm.errors import (
+        CollectiveFailedError,
+        CollectiveMismatchError,
+        DistNormError,
+        InconsistentStateError,
+        NonFiniteStatisticsError,
+    )
+    from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
+    from distnorm.plugin import DistNormPlugin, ddp_kwargs
+    from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __version__ = "0.1.0"
 

@@ -26,9 +26,8 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from distnorm.convert import ACTIVATIONS
 from distnorm.settings import Section, boolean, coerce, non_negative_int, one_of, optional, param, positive, positive_int
-from distnorm.specs import KEEP, NORM_LABELS, NORM_SPECS, BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+from distnorm.specs import ACTIVATION_NAMES, KEEP, NORM_LABELS, NORM_SPECS, BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __all__ = ["DistNormConfig", "add_arguments", "ENV_PREFIX"]
 
@@ -50,8 +49,8 @@ class DistNormConfig(Section):
 
     norm: str = param(KEEP, f"normalization: {', '.join(NORM_LABELS)} ({KEEP}: leave the BatchNorm layers as "
                             "they are; none: remove them)", one_of(*NORM_LABELS), choices=NORM_LABELS)
-    activation: str | None = param(None, "replace activations: " + ", ".join(ACTIVATIONS), one_of(None, *ACTIVATIONS),
-                                   choices=tuple(ACTIVATIONS))
+    activation: str | None = param(None, "replace activations: " + ", ".join(ACTIVATION_NAMES),
+                                   one_of(None, *ACTIVATION_NAMES), choices=ACTIVATION_NAMES)
     cbn: CBNSpec = field(default_factory=CBNSpec, metadata={"help": "CBN hyper-parameters (norm=cbn)"})
     popnorm: POPNormSpec = field(default_factory=POPNormSpec, metadata={"help": "POP-Norm hyper-parameters (norm=popnorm)"})
     bn: SyncBNSpec = field(default_factory=SyncBNSpec, metadata={"help": "synchronized BatchNorm hyper-parameters (norm=bn)"})

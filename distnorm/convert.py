@@ -44,7 +44,7 @@ from distnorm import _folding
 from distnorm._collectives import ProcessGroup
 from distnorm._wrappers import refuse_wrapped
 from distnorm.layers import SyncBatchNorm, _DistNormLayer, name_layers
-from distnorm.specs import KEEP, NORM_LABELS, NORM_SPECS, NORMS, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
+from distnorm.specs import ACTIVATION_NAMES, KEEP, NORM_LABELS, NORM_SPECS, NORMS, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 #: What ``convert(norm=...)`` accepts besides a name.
 NormSpec = CBNSpec | POPNormSpec | SyncBNSpec | GNSpec
@@ -54,13 +54,7 @@ __all__ = ["NORMS", "ACTIVATIONS", "PreNorm", "SyncBatchNormAct", "GroupNormAct"
 
 logger = logging.getLogger(__name__)
 
-ACTIVATIONS: dict[str, type[nn.Module]] = {
-    "relu": nn.ReLU,
-    "sigmoid": nn.Sigmoid,
-    "tanh": nn.Tanh,
-    "selu": nn.SELU,
-    "swish": nn.SiLU,
-}
+ACTIVATIONS: dict[str, type[nn.Module]] = dict(zip(ACTIVATION_NAMES, (nn.ReLU, nn.Sigmoid, nn.Tanh, nn.SELU, nn.SiLU)))
 
 _ACTIVATION_ALIASES = {"silu": "swish"}
 

@@ -16,11 +16,10 @@ one name everywhere (``bnp.attach(decay=...)``, ``distnorm.bnp.decay``,
 ``--distnorm-bnp-decay``).
 
 The specs are data at the bottom of the package: they import no layer. The modules that
-define the layers register how each spec becomes a module (:func:`register_builder`), so
-``spec.build(...)`` (and ``BNPSpec.attach``) work once ``distnorm`` is imported.
+define the layers register how each spec becomes a module (:func:`register_builder`); the
+first ``spec.build(...)`` (or ``BNPSpec.attach``) of a type imports its module by name.
 
 Example:
-    >>> import distnorm
     >>> from distnorm.specs import CBNSpec
     >>> spec = CBNSpec(rho=2.0, omega=5.0)
     >>> spec.build(16)
@@ -34,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass, fields
 from typing import Any, Callable, ClassVar
 
@@ -50,7 +50,7 @@ from distnorm.settings import (
 )
 
 __all__ = ["CBNSpec", "POPNormSpec", "SyncBNSpec", "GNSpec", "BNPSpec", "NORM_SPECS", "NORMS", "NORM_LABELS", "KEEP",
-           "REMOVE", "EVAL_STATS", "spec_fields", "register_builder"]
+           "REMOVE", "EVAL_STATS", "ACTIVATION_NAMES", "spec_fields", "register_builder"]
 
 #: What CBN evaluates with: the AMAT averages, the running statistics, or "auto" (AMAT while
 #: eta > 0 was in force, else the running statistics; SPEC §2).
@@ -96,12 +96,18 @@ class _Spec(Section):
     """A layer's (or BNP's) hyper-parameters: a :class:`~distnorm.settings.Section` that
     builds what it describes. ``label`` names the layer in errors ("CBN", "BNP", ...)."""
 
+    #: The module that registers this spec's builder when imported (a plugin, loaded by name
+    #: the first time a spec of this type builds: the specs import no layer).
+    builder_module: ClassVar[str] = "distnorm.layers"
+
     def _builder(self) -> Callable[..., Any]:
+        if type(self) not in _BUILDERS:
+            importlib.import_module(self.builder_module)
         try:
             return _BUILDERS[type(self)]
         except KeyError:
-            raise RuntimeError(f"{self.label}: no layer is registered for {type(self).__name__}; "
-                               "import distnorm (which registers every layer) first") from None
+            raise RuntimeError(f"{self.label}: no layer is registered for {type(self).__name__} "
+                               f"({self.builder_module} registers none); register one with register_builder") from None
 
     def build(self, num_features: int, process_group: Any = None, *, replacing: Any = None) -> Any:
         """The layer this spec describes, for ``num_features`` channels.
@@ -230,6 +236,10 @@ NORMS: tuple[str, ...] = (*NORM_SPECS, REMOVE)
 #: ``distnorm.DistNormConfig`` (YAML, ``--distnorm``, ``DISTNORM_NORM``) and ``distnorm.models``.
 NORM_LABELS: tuple[str, ...] = (*NORMS, KEEP)
 
+#: The activations :func:`distnorm.convert` puts in place of a model's own (``activation=``);
+#: their modules are :data:`distnorm.convert.ACTIVATIONS`.
+ACTIVATION_NAMES: tuple[str, ...] = ("relu", "sigmoid", "tanh", "selu", "swish")
+
 
 # ------------------------------------------------------------------------------ BNP
 def _patterns(value: Any) -> str | None:
@@ -244,6 +254,7 @@ class BNPSpec(_Spec):
     preconditioned with running moments of their inputs."""
 
     label: ClassVar[str] = "BNP"
+    builder_module: ClassVar[str] = "distnorm.bnp"
     decay: float = param(0.99, "running moments: weight of the history (the paper's rho)", history_weight)
     eps1: float = param(1e-2, "var_t = var + eps1 * max(var) + eps2 (relative floor)", non_negative)
     eps2: float = param(1e-4, "var_t = var + eps1 * max(var) + eps2 (absolute floor)", non_negative)

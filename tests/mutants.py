@@ -691,7 +691,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "data-error-names-library-keyword",
         "a data error under the recipe names the override to type (data.on_error=skip)",
-        "distnorm/train/loop.py",
+        "distnorm/train/cli.py",
         '    text = text.replace(SKIP_HINT, "set data.on_error=skip to skip bad data (counted and reported each epoch), or "\n',
         '    text = text.replace("(nowhere)", "set data.on_error=skip to skip bad data (counted and reported each epoch), or "\n',
         (f"{REL}::test_corrupt_shard_fails_all_ranks_or_is_skipped",),
@@ -1041,12 +1041,22 @@ MUTANTS: list[Mutant] = [
         ("tests/test_engines.py::test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integration",),
     ),
     Mutant(
-        "config-check-builds-geometry",
-        "loading a recipe's configuration (a --check) imports no torchvision: the geometry is built only for decode_device",
-        "distnorm/data/transforms.py",
-        "            for train in (True, False) if self.decode_device is not None else ():\n",
-        "            for train in (True, False):\n",
-        ("tests/test_engines.py::test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integration",),
+        "check-path-imports-the-loaders",
+        "distnorm-train --check and a refused configuration import no torch: the recipe reads the loaders' settings, "
+        "not the loaders",
+        "distnorm/train/config.py",
+        "from distnorm.data.specs import LoaderSpec\n",
+        "from distnorm.data.loaders import LoaderSpec\n",
+        ("tests/test_structure.py::test_the_command_lines_check_path_imports_no_torch",
+         "tests/test_train.py::test_check_and_a_refused_configuration_run_without_torch"),
+    ),
+    Mutant(
+        "check-imports-the-engine",
+        "the check looks the engine's library up without importing it (DeepSpeed imports torch and more)",
+        "distnorm/train/checks.py",
+        "    if importlib.util.find_spec(module) is None:\n",
+        "    if __import__(module) is None:\n",
+        ("tests/test_train.py::test_check_and_a_refused_configuration_run_without_torch",),
     ),
     Mutant(
         "deepspeed-state-not-in-client-state",

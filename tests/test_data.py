@@ -714,12 +714,32 @@ def test_torchvision_decoder_in_workers_and_deferred_to_the_main_process_agree(p
 def test_decoder_settings_refused_with_the_setting_to_change():
     with pytest.raises(ValueError, match="decode_device needs decoder='torchvision'"):
         D.build_transform("imagenet", train=True, image_size=32, decode_device="cpu")
-    with pytest.raises(ValueError, match="RandomCrop"):
+    with pytest.raises(ValueError, match="decode_device supports the presets .* not 'cifar'"):
         D.build_transform("cifar", train=True, image_size=32, decoder="torchvision", decode_device="cpu")
     with pytest.raises(ValueError, match="reduced_decode .* needs decoder='pil'"):
         D.build_transform("imagenet", train=True, image_size=32, decoder="torchvision", reduced_decode=True)
     with pytest.raises(ValueError, match="decoder must be one of"):
         D.build_transform("imagenet", train=True, image_size=32, decoder="nvjpeg")
+
+
+@pytest.mark.parametrize("preset", ["imagenet", "cifar", "digits"])
+def test_the_presets_decode_device_accepts_are_those_whose_geometry_it_applies(preset):
+    """The configuration refuses ``decode_device`` with a preset before torch is imported
+    (``distnorm.data.specs.DEFERRED_PRESETS``); the geometry the preset builds says the same.
+    Bug caught: a preset's steps changed without the list (the device path would then refuse
+    at the first batch, or apply steps it does not implement)."""
+    from distnorm.data.specs import DEFERRED_PRESETS, TRANSFORM_PRESETS, _check_decoding
+    from distnorm.data.transforms import _preset
+
+    assert set(TRANSFORM_PRESETS) == {"imagenet", "cifar", "digits"}
+    supported = []
+    for train in (True, False):
+        try:
+            _check_decoding(_preset(preset, train, 32)[0], False, "torchvision", "cpu")
+            supported.append(True)
+        except ValueError:
+            supported.append(False)
+    assert all(supported) == (preset in DEFERRED_PRESETS)  # a preset serves training and evaluation
 
 
 def test_recipe_data_settings_reach_the_loaders(photo_shards):
@@ -746,7 +766,7 @@ def test_recipe_data_settings_reach_the_loaders(photo_shards):
         from_dict({"model": {"name": "resnet18"}, "data": {"decode_device": "tpu"}})
     with pytest.raises(ValueError, match="data: decode_device needs decoder='torchvision'"):
         from_dict({"model": {"name": "resnet18"}, "data": {"decode_device": "cuda"}})  # refused before any worker
-    with pytest.raises(ValueError, match="data: decode_device supports .* not \\['RandomCrop'"):
+    with pytest.raises(ValueError, match="data: decode_device supports the presets .* not 'cifar'"):
         from_dict({"model": {"name": "resnet18"}, "data": {"transform": "cifar", "decoder": "torchvision",
                                                            "decode_device": "cuda"}})
 

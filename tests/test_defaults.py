@@ -1,7 +1,7 @@
 """One owner and one spelling for every default, on the data side too.
 
 A default is written once, in the section that declares it (``distnorm.specs``, the data
-loaders' :class:`~distnorm.data.loaders.LoaderSpec`, the recipe's sections); every other
+loaders' :class:`~distnorm.data.specs.LoaderSpec`, the recipe's sections); every other
 place takes it from there. A label has one spelling everywhere it is accepted.
 """
 
@@ -64,8 +64,8 @@ def test_every_norm_label_has_one_spelling_everywhere():
 # ------------------------------------------------------------------ the data side
 #: The sections that own the data side's defaults.
 def _owners() -> dict[str, type]:
-    from distnorm.data.loaders import LoaderSpec
-    from distnorm.data.transforms import ImageSpec
+    from distnorm.data.specs import LoaderSpec
+    from distnorm.data.specs import ImageSpec
     from distnorm.train.config import DataConfig
 
     return {"ImageSpec": ImageSpec, "LoaderSpec": LoaderSpec, "DataConfig": DataConfig}
@@ -127,7 +127,7 @@ def test_every_data_default_has_one_owner():
     assert not seconds, "a second owner of a data default:\n" + "\n".join(seconds)
     # The loaders take every setting from the spec: nothing but the spec's keywords.
     from distnorm.data import EvalLoader, TrainLoader
-    from distnorm.data.loaders import LoaderSpec
+    from distnorm.data.specs import LoaderSpec
 
     for loader in (TrainLoader, EvalLoader):
         assert not set(inspect.signature(loader).parameters) & set(owned), loader

@@ -15,8 +15,14 @@ from distnorm import functional
 from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 PACKAGE = Path(distnorm.__file__).parent
-#: distnorm modules that exist to import an optional package; the only ones imported lazily.
+#: distnorm modules that exist to import an optional package; imported lazily.
 OPTIONAL_BACKENDS = ("distnorm.integrations.", "distnorm._triton")
+#: Modules on the command line's check path (``distnorm-train --check``, a refused
+#: configuration), which imports no torch: each imports what needs torch where it is first
+#: used. The circle check sees those imports as module-level ones.
+TORCH_FREE_LAZY = ("distnorm.models", "distnorm.train.cli")
+#: Where the check path starts: the command's module (``distnorm-train``).
+CHECK_PATH_ENTRY = "distnorm.train.cli"
 
 
 def _module_name(path: Path) -> str:
@@ -37,6 +43,8 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
         tree = ast.parse(path.read_text())
         in_function = {id(inner) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                        for inner in ast.walk(f) if inner is not f}
+        type_checking = {id(inner) for f in ast.walk(tree) if isinstance(f, ast.If)
+                         and ast.unparse(f.test) in ("TYPE_CHECKING", "_TYPE_CHECKING") for inner in ast.walk(f)}
         targets: list[tuple[str, ast.AST]] = []
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -46,9 +54,11 @@ def _graph() -> tuple[dict[str, set[str]], list[str]]:
                             for a in node.names]
         graph[module] = set()
         for target, node in targets:
-            if not target.startswith("distnorm"):
+            if not target.startswith("distnorm") or id(node) in type_checking:  # never executed
                 continue
-            if id(node) in in_function:
+            if id(node) in in_function and module in TORCH_FREE_LAZY:
+                graph[module].add(target)
+            elif id(node) in in_function:
                 # The integrations import their optional engine (DeepSpeed, Accelerate) when
                 # imported, and distnorm._triton imports Triton (loaded on the first CUDA step,
                 # never on a CPU run): importing them lazily is a lazy import of that package.
@@ -92,6 +102,67 @@ def test_no_import_circle_and_no_distnorm_import_inside_a_function():
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
     graph["distnorm.specs"].add("distnorm.layers")  # the checker finds the circle this would close
     assert _cycle(graph) is not None
+
+
+def _imports_torch_at_module_level(path: Path) -> list[int]:
+    """Lines of ``path`` that import torch (or torchvision) when the module is imported."""
+    tree = ast.parse(path.read_text())
+    deferred = {id(inner) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                or (isinstance(f, ast.If) and ast.unparse(f.test) in ("TYPE_CHECKING", "_TYPE_CHECKING"))
+                for inner in ast.walk(f) if inner is not f}
+    lines = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if id(node) not in deferred and any(n.split(".")[0] in ("torch", "torchvision") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_command_lines_check_path_imports_no_torch():
+    """Every module ``distnorm-train`` imports before it trains -- the package, the recipe's
+    configuration, the data settings, the checks -- imports no torch, so ``--check`` and a
+    refused configuration cost a tenth of a second, not ``import torch``'s second or more in
+    every process of a launch (tests/test_train.py runs them with torch made unimportable).
+    Bugs caught: the check path importing the loaders, the zoo's networks or the engines."""
+    path, todo = set(), [CHECK_PATH_ENTRY]
+    while todo:
+        module = todo.pop()
+        if module not in path:
+            path.add(module)
+            parts = module.split(".")  # importing a module imports its packages first
+            todo += [".".join(parts[:i]) for i in range(1, len(parts))] + sorted(_module_level_targets(module))
+    assert {"distnorm", "distnorm.train.config", "distnorm.train.checks", "distnorm.data.specs", "distnorm.config",
+            "distnorm.models"} <= path
+    found = {m: lines for m in sorted(path) if (lines := _imports_torch_at_module_level(_module_path(m)))}
+    assert found == {}
+
+
+def _module_path(module: str) -> Path:
+    relative = Path(*module.split(".")[1:])
+    if (PACKAGE / relative).is_dir():
+        return PACKAGE / relative / "__init__.py"
+    return PACKAGE / relative.with_suffix(".py")
+
+
+def _module_level_targets(module: str) -> set[str]:
+    """The distnorm modules ``module`` imports when imported (outside functions and
+    ``TYPE_CHECKING`` blocks)."""
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    tree = ast.parse(_module_path(module).read_text())
+    deferred = {id(inner) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                or (isinstance(f, ast.If) and ast.unparse(f.test) in ("TYPE_CHECKING", "_TYPE_CHECKING"))
+                for inner in ast.walk(f)}
+    targets = set()
+    for node in ast.walk(tree):
+        if id(node) in deferred:
+            continue
+        if isinstance(node, ast.Import):
+            targets |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                        for a in node.names}
+    return {t for t in targets if t.split(".")[0] == "distnorm"}
 
 
 def test_the_core_layers_sit_below_specs_builders_and_bnp():

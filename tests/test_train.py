@@ -254,7 +254,7 @@ def test_unknown_key_and_bad_values(tmp_path):
 
 
 def test_missing_shards_and_engine_and_batch_split(tmp_path, digits, monkeypatch):
-    from distnorm.train.loop import check_setup
+    from distnorm.train.checks import check_setup
 
     cfg = load_config(DEMO, _data_overrides(digits))
     check_setup(cfg, 2)
@@ -382,6 +382,45 @@ def test_check_compares_shard_sizes_and_on_request_checksums(tmp_path, digits, c
     with pytest.raises(SystemExit):
         cli.main(["--config", str(DEMO), "--verify-checksums"])
     assert "--verify-checksums goes with --check" in capsys.readouterr().err
+
+
+#: Runs distnorm-train's main in a process where importing torch (or torchvision) fails.
+_WITHOUT_TORCH = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchvision"):
+            raise ImportError(f"{name} imported on the check path")
+sys.meta_path.insert(0, NoTorch())
+from distnorm.train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_check_and_a_refused_configuration_run_without_torch(tmp_path, digits):
+    """``distnorm-train --check`` (every launcher runs it first), a refused key, ``--help-config``
+    and ``--list-configs`` never import torch: a tenth of a second instead of ``import torch``'s
+    second or more, on a login node and in every process of a launch. Bug caught: the check
+    path importing the loaders, the zoo's networks, the engines or the training loop
+    (``tests/test_structure.py`` checks the imports without running them)."""
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    checked = run("--config", str(DEMO), *_data_overrides(digits), "--check", "--world-size", "2")
+    assert checked.returncode == 0 and "OK for 2 process(es)" in checked.stdout, checked.stderr
+    refused = run("--config", str(DEMO), *_data_overrides(digits), "train.epochs=two")
+    assert refused.returncode == 2 and "train.epochs='two' is not a valid int" in refused.stderr, refused.stderr
+    split = run("--config", str(DEMO), *_data_overrides(digits), "--check", "--world-size", "3")
+    assert split.returncode == 2 and "does not split over 3 processes" in split.stderr, split.stderr
+    deepspeed = run("--config", "imagenet/resnet50_cbn_deepspeed", "--check")
+    assert deepspeed.returncode == 2 and "data.train_index" in deepspeed.stderr, deepspeed.stderr  # past the engine
+    for listing in ("--help-config", "--list-configs"):
+        assert run(listing).returncode == 0
+    trains = run("--config", str(DEMO), *_data_overrides(digits), "--dry-run")  # the one path that needs torch
+    assert trains.returncode != 0 and "torch imported on the check path" in trains.stderr
 
 
 @pytest.mark.processes

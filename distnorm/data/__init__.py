@@ -3,8 +3,9 @@
 * :mod:`distnorm.data.shards` — shard writer and the ``distnorm-shards`` command;
 * :mod:`distnorm.data.sources` — ImageFolder, torchvision datasets, digits demo, synthetic;
 * :mod:`distnorm.data.loaders` — :class:`TrainLoader` (equal-length epochs on every rank)
-  and :class:`EvalLoader` (every validation sample exactly once), their settings in
-  :class:`LoaderSpec`;
+  and :class:`EvalLoader` (every validation sample exactly once);
+* :mod:`distnorm.data.specs` — their settings, :class:`LoaderSpec` and :class:`ImageSpec`,
+  checked without importing torch (what ``distnorm-train --check`` reads);
 * :mod:`distnorm.data.transforms` — the recipes' transforms, normalized per batch;
 * :func:`evaluate` — top-1 / top-5 / loss reduced across ranks.
 
@@ -20,10 +21,10 @@ from typing import Any
 _EXPORTS = {
     "evaluate": "evaluation",
     "ShardIndex": "index", "ShardInfo": "index", "index_path": "index",
-    "TrainLoader": "loaders", "EvalLoader": "loaders", "DataError": "loaders", "LoaderSpec": "loaders",
-    "expand_urls": "loaders",
-    "build_transform": "transforms", "ImageTransform": "transforms", "ImageSpec": "transforms",
-    "TRANSFORM_PRESETS": "transforms",
+    "TrainLoader": "loaders", "EvalLoader": "loaders", "DataError": "specs", "LoaderSpec": "specs",
+    "expand_urls": "index",
+    "build_transform": "transforms", "ImageTransform": "transforms", "ImageSpec": "specs",
+    "TRANSFORM_PRESETS": "specs",
     "write_shards": "shards", "plan_shards": "shards",
     "DatasetSource": "sources", "DigitsSource": "sources", "ImageFolderSource": "sources",
     "SyntheticSource": "sources",

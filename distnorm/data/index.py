@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["ShardIndex", "ShardInfo", "index_path", "file_digest"]
+__all__ = ["ShardIndex", "ShardInfo", "index_path", "file_digest", "expand_urls"]
 
 FORMAT = "distnorm-shards/1"
 
@@ -178,3 +178,16 @@ class ShardIndex:
         if not matches:
             raise ValueError(f"shard {url!r} is not listed in the shard index")
         return matches[0].count
+
+
+def expand_urls(shards: str | Sequence[str]) -> list[str]:
+    """A list of shard URLs from a list or a WebDataset brace pattern."""
+    if isinstance(shards, str):
+        import braceexpand
+
+        urls = [u for part in shards.split("::") for u in braceexpand.braceexpand(part)]
+    else:
+        urls = list(shards)
+    if not urls:
+        raise ValueError("no shard URLs given")
+    return urls

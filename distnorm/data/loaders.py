@@ -30,7 +30,7 @@ counted, and reported at the end of the epoch (``loader.skipped``).
 
 **Settings**: both loaders take their shards, batch and place in the job as arguments, and
 everything else as keywords of :class:`LoaderSpec` (the image pipeline of
-:class:`~distnorm.data.transforms.ImageSpec`, the DataLoader workers, bad data), whose fields
+:class:`~distnorm.data.specs.ImageSpec`, the DataLoader workers, bad data), whose fields
 own the defaults; the recipe's ``data`` section extends it, so ``distnorm-train`` and a
 script calling the loaders start from the same values.
 """
@@ -44,18 +44,18 @@ import logging
 import math
 import random
 import warnings
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, ClassVar, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from distnorm.data.batches import BatchPool, BatchReturns
-from distnorm.data.index import ShardIndex
+from distnorm.data.index import ShardIndex, expand_urls
 from distnorm.data.tars import tarfile_to_samples
-from distnorm.data.transforms import TRANSFORM_PRESETS, ImageSpec, ImageTransform, batch_tensor, build_transform
-from distnorm.settings import boolean, from_mapping, non_negative_int, one_of, optional, param, positive_int
+from distnorm.data.specs import SKIP_HINT, TRANSFORM_PRESETS, DataError, LoaderSpec
+from distnorm.data.transforms import ImageTransform, batch_tensor, build_transform, spec_transform
 
 __all__ = [
     "DataError",
@@ -72,43 +72,6 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_ERRORS = 100
 
 
-class DataError(RuntimeError):
-    """A shard or sample could not be read; the message names the shard and key."""
-
-
-@dataclass(frozen=True)
-class LoaderSpec(ImageSpec):
-    """What a loader does besides its shards and batches: the image pipeline (the fields of
-    :class:`~distnorm.data.transforms.ImageSpec`), the DataLoader workers and bad data. The
-    one owner of these defaults: :class:`TrainLoader` and :class:`EvalLoader` take them as
-    keywords, the recipe's ``data`` section extends this class."""
-
-    label: ClassVar[str] = "data"
-
-    num_workers: int = param(8, "DataLoader workers per rank (0: load in the main process)", non_negative_int)
-    prefetch_factor: int | None = param(2, "batches each worker loads ahead (None: the DataLoader's default)",
-                                        optional(positive_int))
-    pin_memory: bool | None = param(None, "copy batches to page-locked memory (default: when CUDA is available)",
-                                    optional(boolean))
-    shuffle_buffer: int = param(5000, "training: samples in each worker's shuffle buffer", positive_int)
-    on_error: str = param("raise", "an unreadable shard or undecodable sample: 'raise', or 'skip' it (counted and "
-                                   "reported)", one_of("raise", "skip"))
-
-    @classmethod
-    def of(cls, where: str, options: dict[str, Any]) -> "LoaderSpec":
-        """The spec of a loader's keywords; an unknown one is refused by name."""
-        return from_mapping(cls, options, where)
-
-    def loader_options(self) -> dict[str, Any]:
-        """This spec's fields as loader keywords (a subclass's own fields left out)."""
-        return {f.name: getattr(self, f.name) for f in fields(LoaderSpec)}
-
-
-#: How an unreadable shard's or sample's error says to go on. ``distnorm-train`` puts its own
-#: setting in its place (``data.on_error=skip``): its users never call the loader.
-SKIP_HINT = "pass on_error='skip' to skip bad data"
-
-
 def _wds():
     try:
         import webdataset
@@ -121,19 +84,6 @@ def _seed(*parts: Any) -> int:
     """A 63-bit seed from ``parts`` that is the same in every process."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def expand_urls(shards: str | Sequence[str]) -> list[str]:
-    """A list of shard URLs from a list or a WebDataset brace pattern."""
-    if isinstance(shards, str):
-        import braceexpand
-
-        urls = [u for part in shards.split("::") for u in braceexpand.braceexpand(part)]
-    else:
-        urls = list(shards)
-    if not urls:
-        raise ValueError("no shard URLs given")
-    return urls
 
 
 @dataclass
@@ -413,7 +363,7 @@ class _LoaderBase:
         self.spec = spec
         self.num_workers, self.prefetch_factor = spec.num_workers, spec.prefetch_factor
         self.pin_memory = torch.cuda.is_available() if spec.pin_memory is None else spec.pin_memory
-        self.transform = spec.build(train)
+        self.transform = spec_transform(spec, train)
         self.skipped = 0
         self.skip_messages: list[str] = []
         # Batches of the last epoch that workers wrote into a newly allocated shared buffer;

@@ -47,112 +47,21 @@ from __future__ import annotations
 import functools
 import io
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 
 from distnorm.data.batches import shared_tensor
-from distnorm.settings import Section, boolean, one_of, optional, param, positive_int
+from distnorm.data.specs import DECODERS, TRANSFORM_PRESETS, ImageSpec, _check_decoding
 
-__all__ = ["ImageSpec", "ImageTransform", "Deferred", "build_transform", "TRANSFORM_PRESETS", "DECODERS",
+__all__ = ["ImageSpec", "ImageTransform", "Deferred", "build_transform", "spec_transform", "TRANSFORM_PRESETS", "DECODERS",
            "IMAGENET_MEAN", "IMAGENET_STD"]
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-TRANSFORM_PRESETS = ("imagenet", "cifar", "digits")
-DECODERS = ("pil", "torchvision")
 _DCT_SCALES = (8, 4, 2)  # the reductions libjpeg decodes at, largest first
-_DEFERRED_DEVICES = ("cpu", "cuda")
-
-
-def _preset_or_callable(value: Any) -> str | None:
-    if callable(value) or value in TRANSFORM_PRESETS:
-        return None
-    return f"must be a preset, one of {TRANSFORM_PRESETS}, or a callable on PIL images"
-
-
-def _device(value: Any) -> str | None:
-    if isinstance(value, torch.device) or (isinstance(value, str) and value.split(":")[0] in _DEFERRED_DEVICES):
-        return None
-    return "must be 'cpu', 'cuda', 'cuda:N' or a torch.device"
-
-
-@dataclass(frozen=True)
-class ImageSpec(Section):
-    """How a sample becomes a tensor: a preset's geometry at ``image_size``, decoded by
-    ``decoder`` (see the module docs). The one owner of these defaults: :func:`build_transform`,
-    :class:`ImageTransform`, the loaders (:class:`~distnorm.data.loaders.LoaderSpec` extends
-    this) and the recipe's ``data`` section take them from here.
-
-    Example:
-        >>> transform = ImageSpec(transform="digits", image_size=32).build(train=False)
-        >>> transform.decoder, transform.mean
-        ('pil', (0.5, 0.5, 0.5))
-        >>> ImageSpec(decoder="torchvision", reduced_decode=True)
-        Traceback (most recent call last):
-        ...
-        ValueError: data: reduced_decode is PIL's DCT scaling: it needs decoder='pil'
-    """
-
-    label: ClassVar[str] = "data"
-    qualified: ClassVar[bool] = True
-
-    transform: str | Callable = param("imagenet", f"augmentation preset ({', '.join(TRANSFORM_PRESETS)}); in Python "
-                                                  "also any callable on PIL images", _preset_or_callable)
-    image_size: int = param(224, "side of the preset's output (the training crop; evaluation resizes to 256/224 "
-                                 "of it and crops the centre)", positive_int)
-    reduced_decode: bool = param(False, "decode JPEGs at 1/2, 1/4 or 1/8 size where the crop or resize shrinks them "
-                                        "at least that much (libjpeg DCT scaling; pixels differ slightly)", boolean)
-    decoder: str = param("pil", "JPEG decoder: 'pil' (Pillow, PIL geometry) or 'torchvision' (torchvision.io, "
-                                "tensor geometry)", one_of(*DECODERS))
-    decode_device: str | torch.device | None = param(
-        None, "decode each batch in the main process on this device ('cuda' on GPU hosts; needs decoder: "
-              "torchvision); unset: in the workers", optional(_device))
-
-    def _check_together(self) -> None:
-        if callable(self.transform):
-            return
-        try:  # the decoder's rules, on both geometries, before any worker starts
-            _check_decoding((), self.reduced_decode, self.decoder, self.decode_device)
-            # The geometry matters only to decode_device; building it imports torchvision (and with
-            # it torch._dynamo), which a `--check` or a refused configuration need not pay.
-            for train in (True, False) if self.decode_device is not None else ():
-                _check_decoding(_preset(self.transform, train, self.image_size)[0], self.reduced_decode, self.decoder,
-                                self.decode_device)
-        except ValueError as err:
-            raise ValueError(f"{self.label}: {err}") from None
-
-    def build(self, train: bool) -> Callable:
-        """The training (``train=True``) or evaluation transform: an :class:`ImageTransform`
-        for a preset, else the callable given."""
-        if callable(self.transform):
-            return self.transform
-        geometry, mean, std = _preset(self.transform, train, self.image_size)
-        return ImageTransform(geometry, mean, std, reduced_decode=self.reduced_decode, decoder=self.decoder,
-                              decode_device=self.decode_device)
-
-
-def _check_decoding(geometry: Sequence[Callable], reduced_decode: bool, decoder: str,
-                    decode_device: str | torch.device | None) -> None:
-    """What each decoder supports; an error names the setting to change."""
-    if decoder not in DECODERS:
-        raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
-    if decode_device is not None and decoder != "torchvision":
-        raise ValueError("decode_device needs decoder='torchvision' (PIL decodes on the CPU, in the workers)")
-    if reduced_decode and decoder != "pil":
-        raise ValueError("reduced_decode is PIL's DCT scaling: it needs decoder='pil'")
-    if decode_device is not None and geometry:
-        from torchvision import transforms as T
-
-        supported = (T.RandomResizedCrop, T.RandomHorizontalFlip, T.Resize, T.CenterCrop)
-        unsupported = [type(g).__name__ for g in geometry if not isinstance(g, supported)]
-        if unsupported or any(isinstance(g, T.RandomResizedCrop) for g in geometry[1:]):
-            raise ValueError(f"decode_device supports the ImageNet presets' steps (RandomResizedCrop first, "
-                             f"RandomHorizontalFlip, Resize, CenterCrop), not {unsupported or list(geometry)}; "
-                             "leave decode_device unset to decode in the workers")
 
 
 class Deferred(NamedTuple):
@@ -478,7 +387,7 @@ def batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def build_transform(preset: str, *, train: bool, image_size: int, **decoding: Any) -> ImageTransform:
-    """The image transform of a preset: ``ImageSpec(preset, image_size, **decoding).build(train)``.
+    """The image transform of a preset: ``spec_transform(ImageSpec(preset, image_size, **decoding), train)``.
 
     ``imagenet``: train = RandomResizedCrop + horizontal flip (pytorch/examples imagenet),
     eval = resize to 256/224 of the size + center crop. ``cifar``: train = 4-pixel padded
@@ -489,7 +398,17 @@ def build_transform(preset: str, *, train: bool, image_size: int, **decoding: An
     """
     if not isinstance(preset, str):
         raise ValueError(f"build_transform needs a preset name, one of {TRANSFORM_PRESETS}; got {preset!r}")
-    return ImageSpec(transform=preset, image_size=image_size, **decoding).build(train)
+    return spec_transform(ImageSpec(transform=preset, image_size=image_size, **decoding), train)
+
+
+def spec_transform(spec: ImageSpec, train: bool) -> Callable:
+    """The training (``train=True``) or evaluation transform ``spec`` describes: an
+    :class:`ImageTransform` for a preset, else the callable given."""
+    if callable(spec.transform):
+        return spec.transform
+    geometry, mean, std = _preset(spec.transform, train, spec.image_size)
+    return ImageTransform(geometry, mean, std, reduced_decode=spec.reduced_decode, decoder=spec.decoder,
+                          decode_device=spec.decode_device)
 
 
 def _preset(preset: str, train: bool, image_size: int) -> tuple[list[Callable], tuple[float, ...], tuple[float, ...]]:

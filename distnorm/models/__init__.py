@@ -13,13 +13,14 @@ unsynchronized BatchNorm: the baseline). No pretrained weights are downloaded.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from torch import nn
-
-from distnorm.convert import convert
-from distnorm.models.cifar import VGG16, ResNet20
 from distnorm.specs import NORM_LABELS
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from distnorm.models.cifar import VGG16, ResNet20
 
 __all__ = ["available", "create", "register", "ResNet20", "VGG16"]
 
@@ -39,8 +40,17 @@ def register(name: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn
 
 
 def available() -> list[str]:
-    """Names accepted by :func:`create`."""
+    """Names accepted by :func:`create` (torch is imported only when one is built, so the
+    recipe's configuration checks these names without it)."""
     return sorted(_REGISTRY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ResNet20", "VGG16"):  # the papers' CIFAR networks, at first use
+        from distnorm.models import cifar
+
+        return getattr(cifar, name)
+    raise AttributeError(f"module 'distnorm.models' has no attribute {name!r}")
 
 
 def _torchvision():
@@ -70,11 +80,15 @@ def _efficientnet_b0(num_classes: int, **kw: Any) -> nn.Module:
 
 @register("resnet20")
 def _resnet20(num_classes: int, **kw: Any) -> nn.Module:
+    from distnorm.models.cifar import ResNet20
+
     return ResNet20(num_classes=num_classes, **kw)
 
 
 @register("vgg16")
 def _vgg16(num_classes: int, **kw: Any) -> nn.Module:
+    from distnorm.models.cifar import VGG16
+
     return VGG16(num_classes=num_classes, **kw)
 
 
@@ -109,6 +123,8 @@ def create(
         raise ValueError(f"unknown norm {norm!r}; choose one of {NORM_LABELS}")
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    from distnorm.convert import convert
+
     model = _REGISTRY[name](num_classes, **kw)
     return convert(
         model,

@@ -32,13 +32,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch.distributed as dist
-
-from distnorm.data.loaders import DataError
+# Nothing here imports torch: `--check`, `--help-config`, `--list-configs` and a refused
+# configuration run without it (distnorm.train.checks); the training loop is imported to train.
+from distnorm.data.specs import SKIP_HINT, DataError
 from distnorm.train.checkpoint import CheckpointManager
+from distnorm.train.checks import SetupMismatchError, check_setup, local_world
 from distnorm.train.config import ConfigError, TrainConfig, describe_config, describe_recipes, load_config
-from distnorm.train.engines import local_world
-from distnorm.train.loop import SetupMismatchError, check_setup, data_error_message, train
 
 __all__ = ["main", "build_parser"]
 
@@ -185,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({checked} checked)")
             return 0
         interrupt = _Interrupt()
+        from distnorm.train.loop import train
+
         result = train(cfg, dry_run=args.dry_run, dry_run_batch=args.dry_run_batch)
     except BaseException as err:  # noqa: BLE001 - each kind is reported below or re-raised
         code = _report(err, cfg, argv, interrupted=interrupt is not None and interrupt.seen)
@@ -194,8 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if interrupt is not None:
             interrupt.restore()
-        # Leave no communication thread running at interpreter exit.
-        if dist.is_available() and dist.is_initialized():
+        # Leave no communication thread running at interpreter exit (only a run that trained
+        # imported torch.distributed).
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     if local_world()[0] == 0:
         evaluation = result["eval"]
@@ -206,6 +209,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             saved = f"checkpoint: {result['checkpoint']}" if result["checkpoint"] else "no checkpoint written"
             print(f"final top-1 {top1}; metrics: {result['run_dir']}/metrics.jsonl; {saved}")
     return 0
+
+
+def data_error_message(err: DataError) -> str:
+    """A loader's :class:`DataError` as the recipe's user reads it: the loader's own message
+    (without the worker traceback a DataLoader wraps it in), with the setting to change named
+    as the override they would type (``data.on_error=skip``) rather than the loader's keyword."""
+    text = str(err)
+    if "Original Traceback" in text:  # raised in a DataLoader worker: the last line is the error
+        text = text.rstrip().rsplit("DataError: ", 1)[-1]
+    text = text.replace(SKIP_HINT, "set data.on_error=skip to skip bad data (counted and reported each epoch), or "
+                                   "find the damaged shards with distnorm-train --check --verify-checksums")
+    return " ".join([text, *getattr(err, "__notes__", [])])
 
 
 def _report(err: BaseException, cfg: TrainConfig | None, argv: Sequence[str], *, interrupted: bool) -> int | None:

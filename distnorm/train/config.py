@@ -37,7 +37,7 @@ import yaml
 
 from distnorm import models
 from distnorm.config import DistNormConfig
-from distnorm.data.loaders import LoaderSpec
+from distnorm.data.specs import LoaderSpec
 from distnorm.settings import (
     Section,
     boolean,
@@ -79,7 +79,7 @@ class ModelConfig(Section):
 
 @dataclass(frozen=True)
 class DataConfig(LoaderSpec):
-    """The loaders' settings (:class:`~distnorm.data.loaders.LoaderSpec`, which owns their
+    """The loaders' settings (:class:`~distnorm.data.specs.LoaderSpec`, which owns their
     defaults), with the shards and what only a recipe decides."""
 
     label: ClassVar[str] = "data"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,20 +16,10 @@ import torch
 from torch import nn
 
 from distnorm.plugin import DistNormPlugin
+from distnorm.train.checks import require_engine
 from distnorm.train.config import ConfigError, TrainConfig
 
 __all__ = ["Engine", "AccelerateEngine", "DeepSpeedEngine", "make_engine", "require_engine"]
-
-
-def require_engine(name: str) -> None:
-    """Raise a clear error if the engine's library is not installed."""
-    module = name  # each engine is named after its library (train.config.ENGINES)
-    try:
-        __import__(module)
-    except ImportError:
-        raise ConfigError(
-            f"train.engine={name!r} needs the {module} package: `pip install distnorm[{name}]`"
-        ) from None
 
 
 class Engine:
@@ -263,8 +252,3 @@ def make_engine(cfg: TrainConfig, model: nn.Module, steps_per_epoch: int) -> Eng
     require_engine(cfg.train.engine)
     cls = next(c for c in (AccelerateEngine, DeepSpeedEngine) if c.name == cfg.train.engine)
     return cls(cfg, model, steps_per_epoch)
-
-
-def local_world() -> tuple[int, int]:
-    """``(rank, world_size)`` from the launcher's environment, before any group exists."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

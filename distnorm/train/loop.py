@@ -22,100 +22,21 @@ from torch import nn
 import distnorm
 from distnorm import _collectives, models
 from distnorm._collectives import assert_same_across_ranks
-from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate, expand_urls
-from distnorm.data.loaders import SKIP_HINT, DataError
+from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate
+from distnorm.data.specs import DataError
 from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
 from distnorm.monitors import TheoryMonitor
 from distnorm.specs import KEEP
 from distnorm.train.checkpoint import CheckpointManager
+from distnorm.train.checks import SetupMismatchError, check_setup, local_world
 from distnorm.train.config import ConfigError, TrainConfig
-from distnorm.train.engines import local_world, make_engine, require_engine
+from distnorm.train.engines import make_engine
 from distnorm.train.metrics import MetricsWriter
 
 __all__ = ["train", "train_one_epoch", "Position", "Reporting", "build_model", "build_loaders", "check_setup",
-           "SyntheticLoader", "SetupMismatchError", "data_error_message"]
+           "SyntheticLoader", "SetupMismatchError"]
 
 logger = logging.getLogger(__name__)
-
-
-class SetupMismatchError(ConfigError):
-    """Ranks disagree on their setup. Raised on every rank with the same message (so one
-    rank printing it says everything)."""
-
-
-def _local_shards(pattern: str) -> list[str]:
-    """The local shard files among the URLs (remote / pipe: URLs cannot be checked here)."""
-    urls = expand_urls(pattern)
-    local = [u[len("file://"):] if u.startswith("file://") else u for u in urls if "://" not in u or u.startswith("file://")]
-    return [u for u in local if not u.startswith("pipe:")]
-
-
-def _check_shard_files(cfg: TrainConfig, split: str, local: list[str], index: ShardIndex, checksums: bool,
-                       warn: bool) -> None:
-    """The local shards against their index: a size each (one ``stat``), and with ``checksums``
-    every byte (SHA-256). A mismatch is a ConfigError, or a warning under data.on_error=skip
-    (the loaders then skip what cannot be read)."""
-    index_key = f"data.{split}_index {getattr(cfg.data, f'{split}_index')}"
-    unrecorded = index.unchecked(checksum=checksums)
-    if checksums and unrecorded:
-        raise ConfigError(
-            f"{index_key} records no checksum for {len(unrecorded)} shard(s) (e.g. {unrecorded[0]}): an earlier "
-            "distnorm-shards wrote it. Run the same distnorm-shards command again: it keeps the shards that verify "
-            "against their source and writes the index with each shard's size and SHA-256.")
-    problems = index.verify_files(local, checksum=checksums)
-    unlisted = [p for p in problems if p.endswith(": not listed in the index")]
-    if unlisted:
-        raise ConfigError(f"data.{split}_shards names {len(unlisted)} shard(s) that {index_key} does not list, e.g. "
-                          f"{unlisted[0].removesuffix(': not listed in the index')}: point both at the same shard set")
-    if not problems:
-        return
-    listing = "; ".join(problems[:5]) + (f"; ... {len(problems) - 5} more" if len(problems) > 5 else "")
-    what = f"data.{split}_shards: {len(problems)} of {len(local)} shard(s) differ from {index_key}: {listing}."
-    if cfg.data.on_error == "skip":
-        if warn:
-            warnings.warn(f"{what} Training goes on (data.on_error=skip): what cannot be read is skipped and counted.",
-                          stacklevel=3)
-        return
-    raise ConfigError(f"{what} Copy them again from the original (or write them again with distnorm-shards), or set "
-                      "data.on_error=skip to go on without the samples that cannot be read.")
-
-
-def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True, checksums: bool = False,
-                warn: bool = True) -> None:
-    """Everything that can be checked before any worker starts; raises ConfigError.
-
-    The local shards are compared with their index: sizes always (a ``stat`` each), SHA-256
-    checksums with ``checksums`` (every byte read; minutes for ImageNet, see the data
-    reference). ``warn``: whether this process warns (rank 0) when data.on_error=skip lets
-    a mismatch through."""
-    require_engine(cfg.train.engine)
-    cfg.per_rank_batch(world_size)
-    if cfg.train.engine == "deepspeed" and not Path(cfg.train.deepspeed_config).is_file():
-        raise ConfigError(f"train.deepspeed_config {cfg.train.deepspeed_config} does not exist")
-    if not data:
-        return
-    for split in ("train", "val"):
-        shards, index = getattr(cfg.data, f"{split}_shards"), getattr(cfg.data, f"{split}_index")
-        if shards is None:
-            if split == "train":
-                raise ConfigError("data.train_shards is not set")
-            continue
-        if index is None:
-            raise ConfigError(f"data.{split}_index is not set (distnorm-shards writes it beside the shards)")
-        if not Path(index).is_file():
-            raise ConfigError(f"data.{split}_index {index} does not exist; write the shards with distnorm-shards first")
-        local = _local_shards(shards)
-        missing = [u for u in local if not Path(u).is_file()]
-        if missing:
-            raise ConfigError(f"data.{split}_shards: {len(missing)} shard(s) missing, e.g. {missing[0]}")
-        try:
-            shard_index = ShardIndex.load(index)
-        except ValueError as err:  # not an index, or an inconsistent one
-            raise ConfigError(f"data.{split}_index: {err}") from None
-        classes = len(shard_index.classes)
-        if classes != cfg.model.num_classes:
-            raise ConfigError(f"model.num_classes={cfg.model.num_classes} but {index} lists {classes} classes")
-        _check_shard_files(cfg, split, local, shard_index, checksums, warn)
 
 
 def init_distributed(cfg: TrainConfig) -> None:
@@ -463,18 +384,6 @@ def _end_of_epoch(cfg: TrainConfig, engine: Any, eval_loader: Any, position: Pos
     position.epoch, position.step_in_epoch = epoch, 0
     report.save(position)
     return last_eval
-
-
-def data_error_message(err: DataError) -> str:
-    """A loader's :class:`DataError` as the recipe's user reads it: the loader's own message
-    (without the worker traceback a DataLoader wraps it in), with the setting to change named
-    as the override they would type (``data.on_error=skip``) rather than the loader's keyword."""
-    text = str(err)
-    if "Original Traceback" in text:  # raised in a DataLoader worker: the last line is the error
-        text = text.rstrip().rsplit("DataError: ", 1)[-1]
-    text = text.replace(SKIP_HINT, "set data.on_error=skip to skip bad data (counted and reported each epoch), or "
-                                   "find the damaged shards with distnorm-train --check --verify-checksums")
-    return " ".join([text, *getattr(err, "__notes__", [])])
 
 
 def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None = None) -> dict[str, Any]:
