@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    repeats = args.repeats or (2 if args.quick else 9)
+    repeats = args.repeats or (1 if args.quick else 9)
     results = {}
     for name in MODELS:
         entry = bench_model(name, args.quick, repeats, device)

@@ -6,7 +6,8 @@ Measures, for each input shape, the median time of one training forward+backward
 ``CBN`` (AMAT with history, eta = 0.9), ``POPNorm``, ``SyncBatchNorm`` (one process) and a
 naive autograd CBN (the float64 test reference of SPEC §1, run in float32) against
 ``torch.nn.BatchNorm2d``; the bytes each saves for backward; and, in a real 2-rank gloo
-run, how many collectives each layer issues per step and how many bytes they carry; and the
+run (two spawned ranks; with ``--quick`` this process is rank 0 and one is spawned), how
+many collectives each layer issues per step and how many bytes they carry; and the
 ATen ops each layer dispatches per training step and the activation passes they make
 (``tests/dispatch.OpCounter``: bytes of activation-sized tensors read and written, over the
 input's size; 8 is a synchronized layer's floor): on a GPU each op is a kernel launch, which
@@ -162,14 +163,27 @@ def _count_collectives(rank: int, world: int, store: str, channels: int, out) ->
     dist.destroy_process_group()
 
 
-def collectives_two_ranks(channels: int = 64) -> dict:
+def collectives_two_ranks(channels: int = 64, inline: bool = False) -> dict:
+    """The per-layer counts of a real 2-rank gloo group. ``inline`` (``--quick``): this process
+    is rank 0 and only rank 1 is spawned -- one interpreter, ``import torch`` and first layer
+    call fewer; each rank builds its own fresh layers, so the counts are the same."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         queue = ctx.Queue()
         procs = [ctx.Process(target=_count_collectives, args=(r, 2, str(Path(tmp) / "store"), channels, queue))
-                 for r in range(2)]
+                 for r in range(1 if inline else 0, 2)]
         for p in procs:
             p.start()
+        if inline:
+            threads = torch.get_num_threads()  # the rank sets one thread: this process's own back after
+            try:
+                _count_collectives(0, 2, str(Path(tmp) / "store"), channels, queue)
+            except BaseException:
+                for p in procs:
+                    p.kill()  # not left waiting for a rank 0 that is gone
+                raise
+            finally:
+                torch.set_num_threads(threads)
         result = queue.get(timeout=120)
         for p in procs:
             p.join(timeout=60)
@@ -199,7 +213,7 @@ def main(argv=None) -> dict:
         "repeats": repeats,
         "lr": LR,
         "shapes": per_shape,
-        "collectives_2_ranks": collectives_two_ranks(),
+        "collectives_2_ranks": collectives_two_ranks(inline=args.quick),
         "ratios_per_shape": {f"{tuple(e['shape'])} {e['memory_format']}": {
             k: e["ratio_vs_batchnorm2d"][k] for k in ("cbn", "popnorm", "syncbn")} for e in per_shape},
         "ratios": {

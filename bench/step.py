@@ -10,7 +10,8 @@ ResNet-18 and the CIFAR ResNet-20 in five variants — PyTorch's local ``nn.Batc
 same collective count as ours) and local BN with BNP attached — wrap them in ``DistributedDataParallel`` (the same keyword arguments for
 all: ``distnorm.ddp_kwargs()``, no per-forward buffer broadcast) and time one SGD step
 (forward, backward with DDP's gradient all-reduce, optimizer step), interleaved, median of
-repeats on rank 0. It also counts distnorm's collectives per step, every kind
+repeats on rank 0 (``--quick``: one repeat, and this process is rank 0 itself, the other
+rank spawned). It also counts distnorm's collectives per step, every kind
 (``tests.dispatch.CollectiveCounter``, on the bare model so DDP's gradient buckets are not
 among them) and measures training memory
 (``_common.training_memory_bytes``).
@@ -170,14 +171,26 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
-    repeats = args.repeats or (2 if args.quick else 7)
+    repeats = args.repeats or (1 if args.quick else 7)
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         queue = ctx.Queue()
+        # --quick: this process is rank 0 and only the others are spawned (one interpreter and
+        # import of torch fewer; every rank builds its own models, so the counts are the same)
         procs = [ctx.Process(target=_worker, args=(r, args.world_size, str(Path(tmp) / "store"), args.quick, repeats, queue))
-                 for r in range(args.world_size)]
+                 for r in range(1 if args.quick else 0, args.world_size)]
         for p in procs:
             p.start()
+        if args.quick:
+            threads = torch.get_num_threads()  # the rank sets one thread: this process's own back after
+            try:
+                _worker(0, args.world_size, str(Path(tmp) / "store"), args.quick, repeats, queue)
+            except BaseException:
+                for p in procs:
+                    p.kill()  # not left waiting for a rank 0 that is gone
+                raise
+            finally:
+                torch.set_num_threads(threads)
         got = queue.get(timeout=3600)
         for p in procs:
             p.join(timeout=120)

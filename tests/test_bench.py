@@ -33,10 +33,22 @@ def _measured(ratios: dict) -> None:
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
 
 
+def _stable_malloc_env() -> dict:
+    """This process's environment with ``bench/_common.STABLE_MALLOC`` set: a script's
+    ``use_stable_allocator()`` then runs it as it is instead of re-executing it, which costs
+    a second interpreter and ``import torch`` (~1.3 CPU-seconds a run) and changes nothing the
+    tests read: the script runs in the environment the re-execution gives it. The
+    re-execution itself: ``test_use_stable_allocator_reexecutes_once``."""
+    spec = importlib.util.spec_from_file_location("_bench_common_for_env", REPO / "bench" / "_common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    return {**os.environ, **common.STABLE_MALLOC}
+
+
 def _run(script: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "out.json"
     subprocess.run([sys.executable, str(REPO / "bench" / script), "--quick", "--json", str(out), *extra],
-                   check=True, cwd=REPO, timeout=600)
+                   check=True, cwd=REPO, timeout=600, env=_stable_malloc_env())
     return json.loads(out.read_text())
 
 
@@ -47,7 +59,7 @@ def layers_through_all(tmp_path_factory) -> Path:
     two gloo ranks of its own: one run instead of two)."""
     out = tmp_path_factory.mktemp("all")
     subprocess.run([sys.executable, str(REPO / "bench" / "all.py"), "--quick", "--only", "layers", "--out", str(out)],
-                   check=True, cwd=REPO, timeout=600)
+                   check=True, cwd=REPO, timeout=600, env=_stable_malloc_env())  # layers.py inherits it
     (summary,) = out.glob("*-quick.json")
     return summary
 
@@ -145,6 +157,28 @@ def _bench_module(name: str, monkeypatch):
     import importlib
 
     return importlib.import_module(name)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the allocator variables are glibc's")
+def test_use_stable_allocator_reexecutes_once(monkeypatch):
+    """The scripts' tests run with ``STABLE_MALLOC`` already set (``_stable_malloc_env``), so
+    here, in this process, the re-execution they skip: without the variables, the same
+    interpreter and arguments again with them added; with them, nothing."""
+    common = _bench_module("_common", monkeypatch)
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda *args: calls.append(args))
+    monkeypatch.setattr(sys, "argv", ["bench/step.py", "--quick", "--json", "out.json"])
+    for key in common.STABLE_MALLOC:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("DISTNORM_TEST_KEPT", "1")
+    common.use_stable_allocator()
+    ((executable, argv, env),) = calls
+    assert executable == sys.executable and argv == [sys.executable, "bench/step.py", "--quick", "--json", "out.json"]
+    assert env == {**os.environ, **common.STABLE_MALLOC} and env["DISTNORM_TEST_KEPT"] == "1"
+    for key, value in common.STABLE_MALLOC.items():
+        monkeypatch.setenv(key, value)
+    common.use_stable_allocator()
+    assert len(calls) == 1
 
 
 @pytest.fixture(scope="module")
