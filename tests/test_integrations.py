@@ -37,12 +37,15 @@ def _build_deepspeed_cpu_ops():
 
 
 
-def launch_many(nproc: int, runs: list[tuple[Path, list[str]]], expect: int = 0, timeout: int = 300) -> list[list[dict]]:
+def launch_many(nproc: int, runs: list[tuple[Path, list[str]]], expect: int | None = 0,
+                timeout: int = 300) -> list[list[dict]]:
     """Run tests/engines/small_train.py under torchrun once for several trainings, one after
     the other in the same ranks (``--then``): ``runs`` is ``(out, args)`` per training.
     Returns each training's per-rank records. One launch costs ~10 s of start-up on 2 cores
     (torchrun, ``import torch`` / ``deepspeed``, rendezvous), a training of the small CNN
-    well under one, so trainings that need no fresh processes share one."""
+    well under one, so trainings that need no fresh processes share one. ``expect``: the exit
+    code, nonzero for "fails", ``None`` to leave it to the records (each training records its
+    own refusal or inconsistency and the next one runs)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            "ACCELERATE_USE_CPU": "true"}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
@@ -50,16 +53,14 @@ def launch_many(nproc: int, runs: list[tuple[Path, list[str]]], expect: int = 0,
     for i, (out, args) in enumerate(runs):
         cmd += [*(["--then"] if i else []), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != expect and expect == 0:
-        raise AssertionError(f"torchrun exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    if expect != 0:
+    said = f"torchrun exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    if expect == 0 and proc.returncode != 0:
+        raise AssertionError(said)
+    if expect:
         assert proc.returncode != 0, "the run was expected to fail"
+    missing = [f"{out}.rank{r}.pt" for out, _ in runs for r in range(nproc) if not Path(f"{out}.rank{r}.pt").exists()]
+    assert not missing, f"no record {missing[0]} (a training raised where it should have recorded):\n{said}"
     return [[torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(nproc)] for out, _ in runs]
-
-
-def launch(nproc: int, out: Path, *args: str, expect: int = 0, timeout: int = 300) -> list[dict]:
-    """One training in one torchrun launch; each rank's record."""
-    return launch_many(nproc, [(out, list(args))], expect=expect, timeout=timeout)[0]
 
 
 def _assert_same_training(split: list[dict], single: dict) -> None:
@@ -102,10 +103,49 @@ BY_ENGINE = {
 }
 
 
+#: The engine's configurations in test_off_is_off and test_periodic_check_catches_a_perturbed_buffer.
+OFF_IS_OFF = {"accelerate": CONFIGS[0], "deepspeed": CONFIGS[3]}
+PERTURBED = {"accelerate": CONFIGS[0], "deepspeed": CONFIGS[5]}
+
+
+def _split_args(engine: str) -> dict[str, list[str]]:
+    """test_two_ranks_match_one_process's trainings of ``engine``, by configuration id."""
+    extra = ["--distnorm", "cbn", "--distnorm-cbn-rho", "2", "--steps", "6", "--distnorm-check-every", "2",
+             *(["--count-collectives"] if engine == "accelerate" else [])]
+    return {c.id: [*c.values[0], *extra] for c in BY_ENGINE[engine]}
+
+
+@pytest.fixture(scope="module")
+def two_rank_launch(tmp_path_factory):
+    """One 2-rank launch per engine holds every training of the tests below that needs no fresh
+    processes, in this order: test_off_is_off's run without the plugin's lines (first, so that
+    nothing the plugin does in a process can reach it) and with them; every configuration of
+    test_two_ranks_match_one_process; the run whose buffer is perturbed
+    (test_periodic_check_catches_a_perturbed_buffer: last, it raises on both ranks). One launch
+    instead of three per engine: ~10 CPU-seconds of start-up each (torchrun, two ranks importing
+    torch and the engine). ``two_rank_launch(engine)``: each training's per-rank records, by name."""
+    done: dict[str, dict[str, list[dict]]] = {}
+
+    def get(engine: str) -> dict[str, list[dict]]:
+        if engine not in done:
+            root = tmp_path_factory.mktemp(f"launch-{engine}")
+            off = [*OFF_IS_OFF[engine].values[0], "--steps", "4"]
+            runs = {"off-without": [*off, "--no-plugin"], "off-with": off,
+                    **{f"split-{name}": a for name, a in _split_args(engine).items()},
+                    "perturbed": [*PERTURBED[engine].values[0], "--distnorm", "cbn", "--steps", "6",
+                                  "--distnorm-check-every", "1", "--perturb-step", "2"]}
+            # The perturbed run exits 3 on both ranks; every training's outcome is in its records.
+            records = launch_many(2, [(root / name, a) for name, a in runs.items()], expect=None)
+            done[engine] = dict(zip(runs, records))
+        return done[engine]
+
+    return get
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("engine", list(BY_ENGINE))
-def test_two_ranks_match_one_process(tmp_path, engine):
+def test_two_ranks_match_one_process(tmp_path, engine, two_rank_launch):
     """Every configuration of the engine (Accelerate with and without BNP; DeepSpeed ZeRO 0-3,
     ZeRO 2 and 3 with BNP): 2 ranks on split batches equal 1 rank on the whole batch.
 
@@ -117,11 +157,8 @@ def test_two_ranks_match_one_process(tmp_path, engine):
     comparison of values)."""
     from tests.test_ddp_buffers import assert_no_buffer_broadcast, checks_per_step
 
-    configs = BY_ENGINE[engine]
-    extra = ["--distnorm", "cbn", "--distnorm-cbn-rho", "2", "--steps", "6", "--distnorm-check-every", "2",
-             *(["--count-collectives"] if engine == "accelerate" else [])]
-    args = {c.id: [*c.values[0], *extra] for c in configs}
-    splits = launch_many(2, [(tmp_path / f"split-{name}", a) for name, a in args.items()])
+    args = _split_args(engine)
+    splits = [two_rank_launch(engine)[f"split-{name}"] for name in args]
     singles = launch_many(1, [(tmp_path / f"single-{name}", a) for name, a in args.items()])
     for name, split, (single,) in zip(args, splits, singles):
         if engine == "accelerate":
@@ -188,13 +225,13 @@ def _assert_resumed_equals_full(full: list[dict], resumed: list[dict]) -> None:
 
 
 @pytest.mark.processes
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("engine_args", [CONFIGS[0], CONFIGS[5]])
-def test_periodic_check_catches_a_perturbed_buffer(tmp_path, engine_args):
-    results = launch(2, tmp_path / "bad", *engine_args, "--distnorm", "cbn", "--steps", "6",
-                     "--distnorm-check-every", "1", "--perturb-step", "2", expect=3)
-    for r in results:  # both ranks stop, naming the buffer and the ranks
-        assert "0.norm.amat_mean" in r["error"] and "[0] | [1]" in r["error"], r["error"]
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine", [pytest.param(e, id=c.id) for e, c in PERTURBED.items()])
+def test_periodic_check_catches_a_perturbed_buffer(engine, two_rank_launch):
+    """Rank 1 changes a buffer at step 2; the check every forward raises on both ranks."""
+    for r in two_rank_launch(engine)["perturbed"]:  # both ranks stop, naming the buffer and the ranks
+        error = r.get("error", "(no error: the training ran to its end)")
+        assert "0.norm.amat_mean" in error and "[0] | [1]" in error, error
 
 
 def test_follow_rejects_optimizer_built_before_conversion():
@@ -234,13 +271,13 @@ def test_examples_run_under_torchrun(tmp_path, script, extra):
 
 @pytest.mark.timeout(900)
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("engine_args", [CONFIGS[0], CONFIGS[3]])
-def test_off_is_off(tmp_path, engine_args):
+@pytest.mark.parametrize("engine", [pytest.param(e, id=c.id) for e, c in OFF_IS_OFF.items()])
+def test_off_is_off(engine, two_rank_launch):
     """Bug caught: with the plugin lines but no --distnorm flag, prepare() still turned DDP's
     buffer broadcast off, so plain BatchNorm running statistics drifted apart per rank.
-    One launch, the run without the plugin first: nothing the plugin does can reach it."""
-    args = [*engine_args, "--steps", "4"]
-    without, with_lines = launch_many(2, [(tmp_path / "without", [*args, "--no-plugin"]), (tmp_path / "with", args)])
+    The run without the plugin is the launch's first: nothing the plugin does can reach it."""
+    runs = two_rank_launch(engine)
+    without, with_lines = runs["off-without"], runs["off-with"]
     for a, b in zip(with_lines, without):
         assert a["losses"] == b["losses"]
         for kind in ("params", "buffers"):
