@@ -15,6 +15,7 @@ are imported lazily too.
 """
 
 import importlib as _importlib
+import importlib.util
 import re as _re
 import sys as _sys
 import types as _types
@@ -44,7 +45,8 @@ def _require_torch(version: str, floor: tuple[int, int] = _TORCH_FLOOR) -> None:
 
 def _torch_version() -> str:
     """The installed torch's version, without importing it (its distribution metadata; a torch
-    already imported answers for itself). ``""`` where neither says: nothing to compare."""
+    already imported answers for itself). ``""`` where neither says: nothing to compare, and
+    :mod:`distnorm._functions` checks the torch it imports, before any operator is declared."""
     torch = _sys.modules.get("torch")
     if torch is not None:
         return str(torch.__version__)
@@ -77,14 +79,16 @@ _EXPORTS = {
 
 
 def __getattr__(name: str) -> _Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'distnorm' has no attribute {name!r}")
-    module = _EXPORTS[name]
-    value = _importlib.import_module(f"distnorm.{module or name}")
-    if module is not None:
-        value = getattr(value, name)
-    globals()[name] = value  # once: later reads skip this function
-    return value
+    if name in _EXPORTS:
+        module = _EXPORTS[name]
+        value = _importlib.import_module(f"distnorm.{module or name}")
+        if module is not None:
+            value = getattr(value, name)
+        globals()[name] = value  # once: later reads skip this function
+        return value
+    if not name.startswith("_") and _importlib.util.find_spec(f"distnorm.{name}") is not None:
+        return _importlib.import_module(f"distnorm.{name}")  # a submodule (distnorm.specs, .layers, ...)
+    raise AttributeError(f"module 'distnorm' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
@@ -107,9 +111,10 @@ class _Package(_types.ModuleType):
 
 _sys.modules[__name__].__class__ = _Package
 
-if "torch" in _sys.modules:
+if _sys.modules.get("torch") is not None:
     # torch is loaded anyway: register distnorm's operators (torch.ops.distnorm.*) now, as a
-    # program compiled or exported with them, loaded after `import distnorm`, expects.
+    # program compiled or exported with them, loaded after `import distnorm`, expects. (Where
+    # distnorm is imported first, the first use of a layer or of distnorm.functional does it.)
     _importlib.import_module("distnorm._functions")
 
 

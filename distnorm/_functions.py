@@ -129,7 +129,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from distnorm import _bnp_functions, _collectives, _frames, _fused
+import distnorm
+
+# The torch really imported (`import distnorm` read its metadata, which a torch on PYTHONPATH
+# without one does not have), checked before anything below declares an operator.
+distnorm._require_torch(torch.__version__)
+
+from distnorm import _bnp_functions, _collectives, _frames, _fused  # noqa: E402
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt
 from distnorm._cpu_kernels import batch_norm_update_stats as _cpu_update_stats

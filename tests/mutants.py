@@ -1051,6 +1051,14 @@ MUTANTS: list[Mutant] = [
          "tests/test_train.py::test_check_and_a_refused_configuration_run_without_torch"),
     ),
     Mutant(
+        "check-skips-the-training-modules",
+        "--check looks up the modules the training imports (a missing Pillow said before the queue wait)",
+        "distnorm/train/checks.py",
+        "    require_training_modules()\n",
+        "    pass\n",
+        ("tests/test_packaging.py::test_a_missing_optional_dependency_names_the_extra_to_install[train-check]",),
+    ),
+    Mutant(
         "check-imports-the-engine",
         "the check looks the engine's library up without importing it (DeepSpeed imports torch and more)",
         "distnorm/train/checks.py",

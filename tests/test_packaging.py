@@ -177,12 +177,16 @@ def test_the_installed_launcher_runs_torchrun_sh_from_the_package(installed, dig
     (("distnorm-train", "--help"), "yaml", "train"),
     (("distnorm-train", "--list-configs"), "yaml", "train"),
     (("python", "-m", "distnorm.launch", "torchrun", "demo/digits"), "yaml", "train"),
+    (("distnorm-train", "--config", "demo/digits", "--check"), "PIL", "train"),
+    (("distnorm-train", "--config", "demo/digits", "--dry-run"), "PIL", "train"),
     (("distnorm-shards", "digits", "shards/digits", "--maxcount", "100"), "PIL", "data"),
     (("distnorm-report", "."), "matplotlib", "report"),
-], ids=["train-help", "train-list", "launch-torchrun", "shards", "report"])
+], ids=["train-help", "train-list", "launch-torchrun", "train-check", "train-dry-run", "shards", "report"])
 def test_a_missing_optional_dependency_names_the_extra_to_install(installed, command, hidden, extra):
     """A command of the installed wheel whose extra's package cannot be imported: one line
-    naming the module and ``pip install "distnorm[EXTRA]"``, no traceback."""
+    naming the module and ``pip install "distnorm[EXTRA]"``, no traceback. ``--check``, which
+    imports none of the training's modules, looks each up (a missing one said before the queue
+    wait, not by every worker after it). Bug caught: the check passing without Pillow."""
     proc = installed.run(*command, blocked=(hidden,))
     assert proc.returncode != 0
     assert f'pip install "distnorm[{extra}]"' in proc.stderr and repr(hidden) in proc.stderr, proc.stderr

@@ -384,13 +384,18 @@ def test_check_compares_shard_sizes_and_on_request_checksums(tmp_path, digits, c
     assert "--verify-checksums goes with --check" in capsys.readouterr().err
 
 
-#: Runs distnorm-train's main in a process where importing torch (or torchvision) fails.
+#: Runs distnorm-train's main in a process where torch and torchvision are installed (the
+#: check looks them up) but importing them fails.
 _WITHOUT_TORCH = """
-import sys
+import importlib.util, sys
 class NoTorch:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("torch", "torchvision"):
-            raise ImportError(f"{name} imported on the check path")
+            return importlib.util.spec_from_loader(name, self)
+    def create_module(self, spec):
+        raise ImportError(f"{spec.name} imported on the check path")
+    def exec_module(self, module):
+        pass
 sys.meta_path.insert(0, NoTorch())
 from distnorm.train.cli import main
 sys.exit(main(sys.argv[1:]))

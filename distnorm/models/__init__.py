@@ -53,6 +53,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'distnorm.models' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
 def _torchvision():
     try:
         import torchvision

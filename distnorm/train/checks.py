@@ -7,7 +7,8 @@ configuration should cost its user a tenth of a second, not the second or more o
 
 * :func:`local_world` — this process's rank and the world size, from the launcher's
   environment;
-* :func:`require_engine` — the configured engine's library is installed;
+* :func:`require_training_modules`, :func:`require_engine` — what the training imports, and
+  the configured engine's library, are installed (looked up, not imported);
 * :func:`check_setup` — the batch split, the DeepSpeed JSON, and the shards against their
   index (sizes; SHA-256 checksums on request).
 
@@ -26,12 +27,32 @@ from pathlib import Path
 from distnorm.data.index import ShardIndex, expand_urls
 from distnorm.train.config import ConfigError, TrainConfig
 
-__all__ = ["SetupMismatchError", "check_setup", "local_world", "require_engine"]
+__all__ = ["SetupMismatchError", "check_setup", "local_world", "require_engine", "require_training_modules",
+           "TRAINING_MODULES"]
 
 
 def local_world() -> tuple[int, int]:
     """``(rank, world_size)`` from the launcher's environment, before any group exists."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+#: The third-party modules a training process imports beyond the check path's (the ``[train]``
+#: extra and torch); ``--check`` looks each up, so a missing one is said before the queue wait.
+TRAINING_MODULES = ("torch", "torchvision", "numpy", "PIL", "webdataset", "tqdm")
+
+
+def require_training_modules() -> None:
+    """Raise a clear error naming the extra to install if a module the training imports is
+    missing (looked up, not imported: see :func:`require_engine`)."""
+    missing = [m for m in TRAINING_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise missing_module(missing[0])
+
+
+def missing_module(name: str) -> ConfigError:
+    """The error for a module of the ``[train]`` extra that is not installed."""
+    return ConfigError(f"the optional dependency {name!r} is not installed; install the [train] extra: "
+                       'pip install "distnorm[train]" (from a clone: pip install -e ".[train]")')
 
 
 def require_engine(name: str) -> None:
@@ -96,6 +117,7 @@ def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True, checksu
     checksums with ``checksums`` (every byte read; minutes for ImageNet, see the data
     reference). ``warn``: whether this process warns (rank 0) when data.on_error=skip lets
     a mismatch through."""
+    require_training_modules()
     require_engine(cfg.train.engine)
     cfg.per_rank_batch(world_size)
     if cfg.train.engine == "deepspeed" and not Path(cfg.train.deepspeed_config).is_file():

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 # configuration run without it (distnorm.train.checks); the training loop is imported to train.
 from distnorm.data.specs import SKIP_HINT, DataError
 from distnorm.train.checkpoint import CheckpointManager
-from distnorm.train.checks import SetupMismatchError, check_setup, local_world
+from distnorm.train.checks import SetupMismatchError, check_setup, local_world, missing_module
 from distnorm.train.config import ConfigError, TrainConfig, describe_config, describe_recipes, load_config
 
 __all__ = ["main", "build_parser"]
@@ -184,7 +184,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"({checked} checked)")
             return 0
         interrupt = _Interrupt()
-        from distnorm.train.loop import train
+        try:
+            from distnorm.train.loop import train
+        except ModuleNotFoundError as err:  # one the check did not look up: said as the check says it
+            if err.name is None or err.name.partition(".")[0] == "distnorm":
+                raise  # a module of distnorm itself: a broken install
+            raise missing_module(err.name) from None
 
         result = train(cfg, dry_run=args.dry_run, dry_run_batch=args.dry_run_batch)
     except BaseException as err:  # noqa: BLE001 - each kind is reported below or re-raised
