@@ -1051,6 +1051,14 @@ MUTANTS: list[Mutant] = [
          "tests/test_train.py::test_check_and_a_refused_configuration_run_without_torch"),
     ),
     Mutant(
+        "package-convert-becomes-the-module",
+        "distnorm.convert stays the function once the submodule distnorm.convert is imported (lazy import distnorm)",
+        "distnorm/__init__.py",
+        "_sys.modules[__name__].__class__ = _Package\n",
+        "pass\n",
+        ("tests/test_structure.py::test_import_distnorm_loads_no_torch_and_every_public_name_resolves",),
+    ),
+    Mutant(
         "check-skips-the-training-modules",
         "--check looks up the modules the training imports (a missing Pillow said before the queue wait)",
         "distnorm/train/checks.py",

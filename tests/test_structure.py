@@ -286,3 +286,39 @@ def test_one_way_to_declare_and_read_every_setting():
             assert f"  {section}.{f.name} (" in listing
     assert "distnorm.cbn.r_max (" in listing and "distnorm.bnp.decay (" in listing
     assert main(["--help-config"]) == 0
+
+
+#: A fresh process: ``import distnorm`` loads no torch; then every public name, the public
+#: submodules and ``distnorm.convert`` (the function, though the submodule of that name was
+#: imported) resolve.
+_FRESH_IMPORT = """
+import sys
+import distnorm
+assert "torch" not in sys.modules, "import distnorm imported torch"
+from distnorm.convert import ACTIVATIONS  # the submodule named like the function, imported
+assert callable(distnorm.convert) and not isinstance(distnorm.convert, type(sys))
+assert distnorm.specs.NORMS and distnorm.layers.CBN is distnorm.CBN
+missing = [name for name in distnorm.__all__ if getattr(distnorm, name, None) is None]
+assert not missing, missing
+assert hasattr(__import__("torch").ops.distnorm, "cbn_plan")  # a layer used: its operators declared
+print("ok")
+"""
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_import_distnorm_loads_no_torch_and_every_public_name_resolves():
+    """``import distnorm`` is lazy (PEP 562): the command line's check pays no torch, and a
+    user's ``distnorm.X`` still finds every name of ``__all__`` and every submodule. Where
+    torch cannot be imported at all (``sys.modules["torch"] = None``), ``import distnorm`` works.
+    Bugs caught: ``distnorm.convert`` left as the submodule once another module imported it;
+    ``distnorm.specs`` unresolved after ``import distnorm``."""
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-c"]
+    done = subprocess.run([*run, _FRESH_IMPORT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    blocked = subprocess.run([*run, "import sys; sys.modules['torch'] = None; import distnorm; print(distnorm.__version__)"],
+                             capture_output=True, text=True, timeout=60)
+    assert blocked.returncode == 0, blocked.stderr[-3000:]
