@@ -15,7 +15,7 @@ are imported lazily too.
 """
 
 import importlib as _importlib
-import importlib.util
+import importlib.util as _importlib_util
 import re as _re
 import sys as _sys
 import types as _types
@@ -86,7 +86,7 @@ def __getattr__(name: str) -> _Any:
             value = getattr(value, name)
         globals()[name] = value  # once: later reads skip this function
         return value
-    if not name.startswith("_") and _importlib.util.find_spec(f"distnorm.{name}") is not None:
+    if not name.startswith("_") and _importlib_util.find_spec(f"distnorm.{name}") is not None:
         return _importlib.import_module(f"distnorm.{name}")  # a submodule (distnorm.specs, .layers, ...)
     raise AttributeError(f"module 'distnorm' has no attribute {name!r}")
 
@@ -99,7 +99,7 @@ class _Package(_types.ModuleType):
     """``distnorm.convert`` is the function, also once its submodule is imported.
 
     Importing a submodule sets it as an attribute of its package, so any ``from
-    distnorm.convert import ...`` (``distnorm.models`` has one) would otherwise leave the
+    distnorm.convert import ...`` (``distnorm.plugin`` has one) would otherwise leave the
     module where ``distnorm.convert(model)`` expects the function.
     """
 
