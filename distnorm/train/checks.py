@@ -117,7 +117,6 @@ def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True, checksu
     checksums with ``checksums`` (every byte read; minutes for ImageNet, see the data
     reference). ``warn``: whether this process warns (rank 0) when data.on_error=skip lets
     a mismatch through."""
-    require_training_modules()
     require_engine(cfg.train.engine)
     cfg.per_rank_batch(world_size)
     if cfg.train.engine == "deepspeed" and not Path(cfg.train.deepspeed_config).is_file():

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 # configuration run without it (distnorm.train.checks); the training loop is imported to train.
 from distnorm.data.specs import SKIP_HINT, DataError
 from distnorm.train.checkpoint import CheckpointManager
-from distnorm.train.checks import SetupMismatchError, check_setup, local_world, missing_module
+from distnorm.train.checks import SetupMismatchError, check_setup, local_world, missing_module, require_training_modules
 from distnorm.train.config import ConfigError, TrainConfig, describe_config, describe_recipes, load_config
 
 __all__ = ["main", "build_parser"]
@@ -178,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_log_level(cfg.output.log_level)
         if args.check:
             world = args.world_size or local_world()[1]
+            require_training_modules()  # what the workers import, looked up here (a run imports them)
             check_setup(cfg, world, checksums=args.verify_checksums)
             checked = "shards, sizes and checksums" if args.verify_checksums else "shards and sizes"
             print(f"{args.config}: OK for {world} process(es), {cfg.per_rank_batch(world)} samples each per step "
