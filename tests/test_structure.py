@@ -322,3 +322,29 @@ def test_import_distnorm_loads_no_torch_and_every_public_name_resolves():
     blocked = subprocess.run([*run, "import sys; sys.modules['torch'] = None; import distnorm; print(distnorm.__version__)"],
                              capture_output=True, text=True, timeout=60)
     assert blocked.returncode == 0, blocked.stderr[-3000:]
+
+
+#: The modules a training process runs beyond the check path: their third-party imports are
+#: what ``distnorm-train --check`` looks up (``distnorm.train.checks.TRAINING_MODULES``).
+TRAINING_PATH = ("train/loop.py", "train/engines.py", "train/metrics.py", "train/checkpoint.py", "data/loaders.py",
+                 "data/transforms.py", "data/batches.py", "data/tars.py", "data/evaluation.py", "data/index.py",
+                 "data/specs.py", "models/__init__.py", "models/cifar.py")
+
+
+def test_the_check_looks_up_every_module_a_training_imports():
+    """Every third-party module the training's own modules import (inside functions too) is
+    looked up by ``--check``, or is an engine (``require_engine``) or PyYAML (which the check
+    itself imports, said by ``distnorm.launch``). Bug caught: a module added to the training
+    and not to the list (``--check`` then passes where every worker fails after the queue)."""
+    import sys
+
+    from distnorm.train.checks import TRAINING_MODULES
+
+    imported = set()
+    for relative in TRAINING_PATH:
+        for node in ast.walk(ast.parse((PACKAGE / relative).read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+            imported |= {n.split(".")[0] for n in names}
+    third_party = imported - set(sys.stdlib_module_names) - {"distnorm", "__future__"}
+    assert third_party - {"accelerate", "deepspeed", "yaml"} == set(TRAINING_MODULES)

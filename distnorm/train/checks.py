@@ -38,7 +38,7 @@ def local_world() -> tuple[int, int]:
 
 #: The third-party modules a training process imports beyond the check path's (the ``[train]``
 #: extra and torch); ``--check`` looks each up, so a missing one is said before the queue wait.
-TRAINING_MODULES = ("torch", "torchvision", "numpy", "PIL", "webdataset", "tqdm")
+TRAINING_MODULES = ("torch", "torchvision", "numpy", "PIL", "webdataset", "braceexpand", "tqdm")
 
 
 def require_training_modules() -> None:
