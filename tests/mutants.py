@@ -635,7 +635,7 @@ MUTANTS: list[Mutant] = [
         "config-error-said-by-every-process",
         "an error every process shares is printed once",
         "distnorm/train/cli.py",
-        "        if (rank if isinstance(err, SetupMismatchError) else _local_rank()) == 0:\n",
+        "        if says_it:\n",
         "        if True:\n",
         ("tests/test_train.py::test_a_bad_command_under_torchrun_is_said_once_and_named_as_the_root_cause",
          f"{REL}::test_mismatch_is_detected_before_the_first_training_collective[config]"),
@@ -644,9 +644,18 @@ MUTANTS: list[Mutant] = [
         "usage-error-said-by-every-process",
         "an error every process shares is printed once",
         "distnorm/train/cli.py",
-        "        if _local_rank() != 0:\n            self.exit(2)\n",
+        "        if not _says_it_for_the_node():\n            self.exit(2)\n",
         "        if False:\n            self.exit(2)\n",
         ("tests/test_train.py::test_a_bad_command_under_torchrun_is_said_once_and_named_as_the_root_cause",),
+    ),
+    Mutant(
+        "node-error-said-by-local-rank-0-only",
+        "under torchrun, the first process of a node to reach an error every process shares prints it "
+        "(torchrun stops the others once one exits)",
+        "distnorm/train/cli.py",
+        '    if error_file and os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("LOCAL_WORLD_SIZE") or 1) > 1:\n',
+        "    if False:\n",
+        ("tests/test_train.py::test_the_first_process_of_a_node_to_claim_a_shared_error_says_it",),
     ),
     Mutant(
         "launcher-root-cause-unrecorded",

@@ -12,8 +12,8 @@ Launch it under ``torchrun`` / SLURM / ``deepspeed`` / ``accelerate launch`` (se
 command.
 
 What the processes print when a run does not finish: an error every rank shares (a bad
-command line, ranks whose setups differ) once, from the first process (of each node, for a
-bad command line); a configuration or data error as one line, without a traceback; Ctrl-C
+command line, ranks whose setups differ) once: from one process of each node for a bad
+command line (under torchrun the first to reach it), from rank 0 for ranks that disagree; a configuration or data error as one line, without a traceback; Ctrl-C
 (SIGINT, which ``torchrun`` forwards to every process) one line from rank 0 naming the last
 checkpoint and the command that resumes from it. Under ``torchrun`` the same message goes
 to its error file, so the launcher's failure summary shows it as the root cause.
@@ -51,13 +51,37 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK") or 0)
 
 
+def _says_it_for_the_node() -> bool:
+    """Whether this process prints an error every process of its node shares (the command
+    line, the config file, this node's files).
+
+    Under torchrun with several processes on the node, the first to claim it: torchrun stops
+    the others as soon as one exits, so the node's first process (``LOCAL_RANK`` 0) could be
+    stopped before it printed, where a refused command takes a tenth of a second. The claim
+    is a file created exclusively beside this attempt's error files (one directory per launch,
+    node and restart). Elsewhere, the node's first process.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("LOCAL_WORLD_SIZE") or 1) > 1:
+        claim = Path(error_file).parent.parent / "distnorm-said"
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            pass  # no claim possible here: the node's first process says it
+    return _local_rank() == 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, whose usage error every process of a launch shares (the same argv): printed
-    by the first process of each node only, and recorded for the launcher's summary."""
+    by one process of each node (:func:`_says_it_for_the_node`), and recorded for the
+    launcher's summary."""
 
     def error(self, message: str):  # type: ignore[override]
         _record_for_launcher(f"{self.prog}: error: {message}")
-        if _local_rank() != 0:
+        if not _says_it_for_the_node():
             self.exit(2)
         super().error(message)
 
@@ -244,7 +268,8 @@ def _report(err: BaseException, cfg: TrainConfig | None, argv: Sequence[str], *,
         # Said once: ranks that disagree all raise the same error (rank 0 says it); any other
         # configuration error comes from the command line, the config file or this node's
         # files, the same for every process of a node (its first says it).
-        if (rank if isinstance(err, SetupMismatchError) else _local_rank()) == 0:
+        says_it = rank == 0 if isinstance(err, SetupMismatchError) else _says_it_for_the_node()
+        if says_it:
             print(message, file=sys.stderr, flush=True)
         return 2
     if isinstance(err, DataError):
