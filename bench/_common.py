@@ -4,14 +4,16 @@ medians, JSON output. Every script compares against a baseline measured in the s
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
+import tempfile
 import platform
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -144,3 +146,33 @@ def training_memory_bytes(model, optimizer, compute_loss, device: torch.device) 
     kept += [p.grad for p in model.parameters() if p.grad is not None]
     kept += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     return sum(storages.values()) + sum(t.numel() * t.element_size() for t in kept)
+
+
+def run_ranks(target: Callable[..., None], world_size: int, *args: Any, inline: bool = False,
+              timeout: float = 3600) -> Any:
+    """``target(rank, world_size, store, *args, queue)`` on ``world_size`` ranks of a real gloo
+    group (each a spawned process; ``store``: a file under a temporary directory); the first
+    result a rank puts on ``queue``. ``inline`` (the scripts' ``--quick``): this process is rank
+    0 and only the others are spawned -- one interpreter and ``import torch`` fewer; each rank
+    builds its own models and layers, so what it counts is the same."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store, queue = str(Path(tmp) / "store"), ctx.Queue()
+        procs = [ctx.Process(target=target, args=(r, world_size, store, *args, queue))
+                 for r in range(1 if inline else 0, world_size)]
+        for p in procs:
+            p.start()
+        if inline:
+            threads = torch.get_num_threads()  # the rank sets its own threads: this process's back after
+            try:
+                target(0, world_size, store, *args, queue)
+            except BaseException:
+                for p in procs:
+                    p.kill()  # not left waiting for a rank 0 that is gone
+                raise
+            finally:
+                torch.set_num_threads(threads)
+        result = queue.get(timeout=timeout)
+        for p in procs:
+            p.join(timeout=120)
+    return result

@@ -24,17 +24,14 @@ ran back to back), how far a loaded machine moved the medians' ratio.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
-import tempfile
 from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
-from _common import interleaved_times, machine, ratio_spread, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
+from _common import interleaved_times, machine, ratio_spread, run_ranks, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
 
 import distnorm
 from tests.dispatch import CollectiveCounter, OpCounter
@@ -167,26 +164,7 @@ def collectives_two_ranks(channels: int = 64, inline: bool = False) -> dict:
     """The per-layer counts of a real 2-rank gloo group. ``inline`` (``--quick``): this process
     is rank 0 and only rank 1 is spawned -- one interpreter, ``import torch`` and first layer
     call fewer; each rank builds its own fresh layers, so the counts are the same."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_count_collectives, args=(r, 2, str(Path(tmp) / "store"), channels, queue))
-                 for r in range(1 if inline else 0, 2)]
-        for p in procs:
-            p.start()
-        if inline:
-            threads = torch.get_num_threads()  # the rank sets one thread: this process's own back after
-            try:
-                _count_collectives(0, 2, str(Path(tmp) / "store"), channels, queue)
-            except BaseException:
-                for p in procs:
-                    p.kill()  # not left waiting for a rank 0 that is gone
-                raise
-            finally:
-                torch.set_num_threads(threads)
-        result = queue.get(timeout=120)
-        for p in procs:
-            p.join(timeout=60)
+    result = run_ranks(_count_collectives, 2, channels, inline=inline, timeout=120)
     return {"channels": channels, "per_layer_per_step": result}
 
 

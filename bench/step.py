@@ -28,17 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
-import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from _common import machine, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
+from _common import machine, run_ranks, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
 from peers import naive_sync  # noqa: I001
 
 from tests.dispatch import CollectiveCounter
@@ -172,28 +169,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 7)
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        queue = ctx.Queue()
-        # --quick: this process is rank 0 and only the others are spawned (one interpreter and
-        # import of torch fewer; every rank builds its own models, so the counts are the same)
-        procs = [ctx.Process(target=_worker, args=(r, args.world_size, str(Path(tmp) / "store"), args.quick, repeats, queue))
-                 for r in range(1 if args.quick else 0, args.world_size)]
-        for p in procs:
-            p.start()
-        if args.quick:
-            threads = torch.get_num_threads()  # the rank sets one thread: this process's own back after
-            try:
-                _worker(0, args.world_size, str(Path(tmp) / "store"), args.quick, repeats, queue)
-            except BaseException:
-                for p in procs:
-                    p.kill()  # not left waiting for a rank 0 that is gone
-                raise
-            finally:
-                torch.set_num_threads(threads)
-        got = queue.get(timeout=3600)
-        for p in procs:
-            p.join(timeout=120)
+    # --quick: this process is rank 0 (bench/_common.run_ranks)
+    got = run_ranks(_worker, args.world_size, args.quick, repeats, inline=args.quick)
     results = got["results"]
     ratios = {}
     for name, suffix in (("resnet18", ""), ("resnet20", "_resnet20")):
