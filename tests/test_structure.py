@@ -30,42 +30,47 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _imports(path: Path, modules: set[str]) -> list[tuple[str, ast.AST, bool]]:
+    """Every import of ``path`` that runs: ``(target, node, in_a_function)``, where ``from a
+    import b`` targets ``a.b`` when that is one of ``modules``, else ``a``; imports under ``if
+    TYPE_CHECKING`` (never executed) left out."""
+    tree = ast.parse(path.read_text())
+    inside = lambda kinds: {id(inner) for f in ast.walk(tree) if kinds(f) for inner in ast.walk(f) if inner is not f}  # noqa: E731
+    in_function = inside(lambda f: isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    type_checking = inside(lambda f: isinstance(f, ast.If) and ast.unparse(f.test) in ("TYPE_CHECKING", "_TYPE_CHECKING"))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_checking:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(a.name, node, id(node) in in_function) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found += [(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module, node,
+                       id(node) in in_function) for a in node.names]
+    return found
+
+
 def _graph() -> tuple[dict[str, set[str]], list[str]]:
-    """distnorm's module-level import graph (``from a import b`` counts as importing
-    ``a.b`` when that is a module, else ``a``), and every distnorm import made inside a
-    function."""
+    """distnorm's import graph: what each module imports when imported (and, for the
+    ``TORCH_FREE_LAZY`` modules, inside their functions too), and every other distnorm import
+    made inside a function."""
     paths = sorted(PACKAGE.rglob("*.py"))
     modules = {_module_name(p) for p in paths}
     graph: dict[str, set[str]] = {}
     inside_functions: list[str] = []
     for path in paths:
         module = _module_name(path)
-        tree = ast.parse(path.read_text())
-        in_function = {id(inner) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       for inner in ast.walk(f) if inner is not f}
-        type_checking = {id(inner) for f in ast.walk(tree) if isinstance(f, ast.If)
-                         and ast.unparse(f.test) in ("TYPE_CHECKING", "_TYPE_CHECKING") for inner in ast.walk(f)}
-        targets: list[tuple[str, ast.AST]] = []
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                targets += [(a.name, node) for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                targets += [(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module, node)
-                            for a in node.names]
         graph[module] = set()
-        for target, node in targets:
-            if not target.startswith("distnorm") or id(node) in type_checking:  # never executed
+        for target, node, in_function in _imports(path, modules):
+            if not target.startswith("distnorm") or target == module:
                 continue
-            if id(node) in in_function and module in TORCH_FREE_LAZY:
+            if not in_function or module in TORCH_FREE_LAZY:
                 graph[module].add(target)
-            elif id(node) in in_function:
+            elif not target.startswith(OPTIONAL_BACKENDS):
                 # The integrations import their optional engine (DeepSpeed, Accelerate) when
                 # imported, and distnorm._triton imports Triton (loaded on the first CUDA step,
                 # never on a CPU run): importing them lazily is a lazy import of that package.
-                if not target.startswith(OPTIONAL_BACKENDS):
-                    inside_functions.append(f"{module}:{node.lineno} imports {target}")
-            elif target != module:
-                graph[module].add(target)
+                inside_functions.append(f"{module}:{node.lineno} imports {target}")
     return graph, inside_functions
 
 
@@ -104,38 +109,31 @@ def test_no_import_circle_and_no_distnorm_import_inside_a_function():
     assert _cycle(graph) is not None
 
 
-def _imports_torch_at_module_level(path: Path) -> list[int]:
-    """Lines of ``path`` that import torch (or torchvision) when the module is imported."""
-    tree = ast.parse(path.read_text())
-    deferred = {id(inner) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                or (isinstance(f, ast.If) and ast.unparse(f.test) in ("TYPE_CHECKING", "_TYPE_CHECKING"))
-                for inner in ast.walk(f) if inner is not f}
-    lines = []
-    for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-        if id(node) not in deferred and any(n.split(".")[0] in ("torch", "torchvision") for n in names):
-            lines.append(node.lineno)
-    return lines
-
-
 def test_the_command_lines_check_path_imports_no_torch():
     """Every module ``distnorm-train`` imports before it trains -- the package, the recipe's
     configuration, the data settings, the checks -- imports no torch, so ``--check`` and a
     refused configuration cost a tenth of a second, not ``import torch``'s second or more in
     every process of a launch (tests/test_train.py runs them with torch made unimportable).
     Bugs caught: the check path importing the loaders, the zoo's networks or the engines."""
-    path, todo = set(), [CHECK_PATH_ENTRY]
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    path, todo, torch_imports = set(), [CHECK_PATH_ENTRY], {}
     while todo:
         module = todo.pop()
-        if module not in path:
-            path.add(module)
-            parts = module.split(".")  # importing a module imports its packages first
-            todo += [".".join(parts[:i]) for i in range(1, len(parts))] + sorted(_module_level_targets(module))
+        if module in path:
+            continue
+        path.add(module)
+        parts = module.split(".")  # importing a module imports its packages first
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        for target, node, in_function in _imports(_module_path(module), modules):
+            if in_function:
+                continue
+            if target.split(".")[0] in ("torch", "torchvision"):
+                torch_imports.setdefault(module, []).append(node.lineno)
+            elif target.startswith("distnorm"):
+                todo.append(target)
     assert {"distnorm", "distnorm.train.config", "distnorm.train.checks", "distnorm.data.specs", "distnorm.config",
             "distnorm.models"} <= path
-    found = {m: lines for m in sorted(path) if (lines := _imports_torch_at_module_level(_module_path(m)))}
-    assert found == {}
+    assert torch_imports == {}
 
 
 def _module_path(module: str) -> Path:
@@ -143,26 +141,6 @@ def _module_path(module: str) -> Path:
     if (PACKAGE / relative).is_dir():
         return PACKAGE / relative / "__init__.py"
     return PACKAGE / relative.with_suffix(".py")
-
-
-def _module_level_targets(module: str) -> set[str]:
-    """The distnorm modules ``module`` imports when imported (outside functions and
-    ``TYPE_CHECKING`` blocks)."""
-    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
-    tree = ast.parse(_module_path(module).read_text())
-    deferred = {id(inner) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                or (isinstance(f, ast.If) and ast.unparse(f.test) in ("TYPE_CHECKING", "_TYPE_CHECKING"))
-                for inner in ast.walk(f)}
-    targets = set()
-    for node in ast.walk(tree):
-        if id(node) in deferred:
-            continue
-        if isinstance(node, ast.Import):
-            targets |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                        for a in node.names}
-    return {t for t in targets if t.split(".")[0] == "distnorm"}
 
 
 def test_the_core_layers_sit_below_specs_builders_and_bnp():
@@ -340,11 +318,6 @@ def test_the_check_looks_up_every_module_a_training_imports():
 
     from distnorm.train.checks import TRAINING_MODULES
 
-    imported = set()
-    for relative in TRAINING_PATH:
-        for node in ast.walk(ast.parse((PACKAGE / relative).read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
-            imported |= {n.split(".")[0] for n in names}
+    imported = {target.split(".")[0] for relative in TRAINING_PATH for target, _, _ in _imports(PACKAGE / relative, set())}
     third_party = imported - set(sys.stdlib_module_names) - {"distnorm", "__future__"}
     assert third_party - {"accelerate", "deepspeed", "yaml"} == set(TRAINING_MODULES)

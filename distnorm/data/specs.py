@@ -19,7 +19,7 @@ from distnorm.settings import Section, boolean, from_mapping, non_negative_int, 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ImageSpec", "LoaderSpec", "DataError", "SKIP_HINT", "TRANSFORM_PRESETS", "DECODERS"]
+__all__ = ["ImageSpec", "LoaderSpec", "DataError", "SKIP_HINT", "TRANSFORM_PRESETS", "DECODERS", "DEFERRED_PRESETS"]
 
 TRANSFORM_PRESETS = ("imagenet", "cifar", "digits")
 DECODERS = ("pil", "torchvision")
@@ -45,7 +45,8 @@ def _device(value: Any) -> str | None:
 @dataclass(frozen=True)
 class ImageSpec(Section):
     """How a sample becomes a tensor: a preset's geometry at ``image_size``, decoded by
-    ``decoder`` (see :mod:`distnorm.data.transforms`, whose :func:`spec_transform` builds it). The
+    ``decoder`` (see :mod:`distnorm.data.transforms`, whose
+    :func:`~distnorm.data.transforms.spec_transform` builds it). The
     one owner of these defaults: :func:`~distnorm.data.transforms.build_transform`,
     :class:`~distnorm.data.transforms.ImageTransform`, the loaders (:class:`LoaderSpec` extends
     this) and the recipe's ``data`` section take them from here.
