@@ -70,7 +70,7 @@ class ConvInputGradients(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _loss(y: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    weights = torch.linspace(-1.0, 2.0, y.numel(), dtype=y.dtype).view_as(y) + seed.to(y.dtype)
+    weights = torch.linspace(-1.0, 2.0, y.numel(), dtype=y.dtype, device=y.device).view_as(y) + seed.to(y)
     return (y * weights).sum()
 
 
