@@ -390,9 +390,11 @@ def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffe
     center, var_u, invstd, a, beta_coef = (torch.empty(channels) for _ in range(5))
     grad_coef = torch.empty(2, 2, channels)
     pointer = lambda t: ctypes.c_void_p(t.data_ptr() if t is not None else None)  # noqa: E731
+    # Held by a name for the call: a temporary .contiguous() copy is freed with the generator
+    # that took its pointer, before the kernel reads it.
+    dense = [mean.contiguous(), var.contiguous(), count, weight, bias, eta[0] if eta else None, *buffers]
     library().cbn_plan_f32(
-        *(pointer(t) for t in (mean.contiguous(), var.contiguous(), count, weight, bias, eta[0] if eta else None,
-                               *buffers, center, var_u, invstd, a, grad_coef, beta_coef)),
+        *(pointer(t) for t in (*dense, center, var_u, invstd, a, grad_coef, beta_coef)),
         ctypes.c_int64(channels), ctypes.c_float(max(host_count, 1)), ctypes.c_float(host_count / max(host_count - 1, 1)),
         ctypes.c_float(eps), ctypes.c_int(momentum is None), ctypes.c_float(0.0 if momentum is None else momentum),
         ctypes.c_float(1.0 / rho), ctypes.c_int(rho != 1.0), ctypes.c_float(1.0 / r_max), ctypes.c_float(r_max))
@@ -407,9 +409,10 @@ def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, 
     sums = torch.empty(2, channels)
     grad_weight, grad_bias, w = (torch.empty(channels) for _ in range(3))
     count = torch.empty(1, dtype=torch.int32)
-    library().backward_sums_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (
-        s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(), sums,
-        grad_weight, grad_bias, w, count)), ctypes.c_int64(channels), ctypes.c_float(inv_rho))
+    # Held by a name for the call (cbn_plan: a temporary copy would be freed before the kernel reads it).
+    dense = [v.contiguous() for v in (s1, t, beta_coef, grad_scale, grad_coef)]
+    library().backward_sums_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (*dense, sums, grad_weight, grad_bias, w, count)),
+                                ctypes.c_int64(channels), ctypes.c_float(inv_rho))
     return sums, grad_weight, grad_bias, w, count
 
 

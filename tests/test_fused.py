@@ -153,6 +153,23 @@ def test_cpu_backward_kernel_equals_composite():
     _assert_close(torch.ops.distnorm.backward_sums(*args, "cpu"), _fused.backward_sums_composite(*args))
 
 
+def test_cpu_kernels_read_strided_arguments():
+    """Bug caught: the C kernel took the pointers of temporary ``.contiguous()`` copies that
+    were freed before the call, so a strided argument (the folded stem passed gamma's sums as
+    a diagonal) was read from freed memory: gradients of 1e25. (``cbn_plan``'s C kernel
+    takes contiguous statistics only, ``_fused.cbn_plan``; it holds its copies the same way.)"""
+    def strided(v: torch.Tensor) -> torch.Tensor:  # the same values, every other element of a larger tensor
+        wide = torch.full((*v.shape[:-1], 2 * v.shape[-1]), float("nan"))
+        wide[..., ::2] = v
+        return wide[..., ::2]
+
+    args = _backward_args()
+    views = tuple(strided(v) if isinstance(v, torch.Tensor) else v for v in args)
+    assert not any(v.is_contiguous() for v in views if isinstance(v, torch.Tensor))
+    for _ in range(3):  # freed memory is reused by the next allocations: garbage, not always at once
+        _assert_close(torch.ops.distnorm.backward_sums(*views, "cpu"), _fused.backward_sums_composite(*args))
+
+
 def test_triton_backward_kernel_equals_composite(interpreted):
     args = _backward_args()
     _assert_close(interpreted.backward_sums(*args, kernels=interpreted.KERNELS),
