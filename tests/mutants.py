@@ -1157,6 +1157,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_fused.py::test_cpu_backward_kernel_equals_composite",),
     ),
     Mutant(
+        "cpu-kernel-temporary-pointers",
+        "the CPU's C kernels read strided arguments as the composite does",
+        "distnorm/_cpu_kernels.py",
+        "    library().backward_sums_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (*dense, sums, grad_weight, grad_bias, w, count)),\n",
+        "    library().backward_sums_f32(*(ctypes.c_void_p(v.contiguous().data_ptr()) for v in (s1, t, beta_coef, grad_scale, grad_coef, sums, grad_weight, grad_bias, w, count)),\n",
+        ("tests/test_fused.py::test_cpu_kernels_read_strided_arguments",),
+    ),
+    Mutant(
         "backward-sums-unscaled",
         "CBN matches the float64 reference, 2 ranks equal 1 process (the backward's sums scaled by r_mu and q before the all-reduce)",
         "distnorm/_fused.py",
