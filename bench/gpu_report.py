@@ -375,7 +375,7 @@ def _step_lines(step: dict) -> list[str]:
     cfg = result["config"]
     lines = [] if step["status"] == "ran" else [_status_line(step) + "; what it finished:", ""]
     lines += [f"`{step['command']}`: batch {cfg['batch']}, {cfg['size']} px, {cfg['amp'] or 'float32'}, "
-              f"channels_last, {cfg['optimizer']}, median of {cfg['repeats']} interleaved steps; "
+              f"{'channels_last' if cfg.get('channels_last', True) else 'NCHW'}, {cfg['optimizer']}, median of {cfg['repeats']} interleaved steps; "
               f"ratio against local BN eager timed in the same block (lower is better).", "",
               "| model | variant | mode | step ms | × local BN eager | images/s | peak GiB | first step s |",
               "|---|---|---|---|---|---|---|---|"]

@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from _common import machine, synchronize, write_json  # noqa: I001  (sets sys.path)
-from step_gpu import NUM_CLASSES, VARIANTS, make_step
+from step_gpu import MEMORY_FORMATS, NUM_CLASSES, VARIANTS, make_step
 from step import build
 
 from distnorm import models
@@ -52,6 +52,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, help="timed steps per figure (median)")
     parser.add_argument("--top", type=int, default=12, help="rows of each table")
     parser.add_argument("--no-amp", dest="amp", action="store_false", help="float32 instead of bf16 autocast")
+    parser.add_argument("--memory-format", choices=MEMORY_FORMATS, default="channels_last",
+                        help="the layout of the models and the batch, default channels_last")
     parser.add_argument("--smoke", action="store_true", help=f"tiny run for the tests: {SMOKE}")
     return parser
 
@@ -104,15 +106,16 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.benchmark = True
     payload = {"benchmark": "profile_step", "machine": machine(), "device": str(device),
                "config": {"batch": args.batch, "size": args.size, "repeats": args.repeats, "amp": args.amp,
-                          "channels_last": True, "smoke": args.smoke},
+                          "channels_last": args.memory_format == "channels_last", "smoke": args.smoke},
                "models": {}}
     gen = torch.Generator().manual_seed(0)
     for name in args.models:
-        x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device, memory_format=torch.channels_last)
+        layout = MEMORY_FORMATS[args.memory_format]
+        x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device, memory_format=layout)
         y = torch.randint(0, NUM_CLASSES, (args.batch,), generator=gen).to(device)
         results = payload["models"][name] = {}
         for variant in args.variants:
-            model = build(name, variant, num_classes=NUM_CLASSES).to(device, memory_format=torch.channels_last)
+            model = build(name, variant, num_classes=NUM_CLASSES).to(device, memory_format=layout)
             step = make_step(model, model, x, y, args.amp)
             for _ in range(3):  # lazy state, cudnn's autotuning, Triton's compiles
                 step()

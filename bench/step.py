@@ -53,7 +53,7 @@ MODELS = {"resnet18": (128, 8, 64, 2), "resnet20": (32, 64, 32, 8)}
 #: with the stem computed as ``conv(cbn(x))`` (not one of this script's variants: for
 #: ``bench/model_choices.py`` and ``bench/step_gpu.py --variants``).
 NORM_OF = {"local_bn": "keep", "cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn", "naive_syncbn": "keep",
-           "bnp": "keep", "bnp_gn": "gn", "cbn_unfolded": "cbn"}
+           "bnp": "keep", "bnp_gn": "gn", "gn": "gn", "cbn_unfolded": "cbn"}
 
 
 def build(name: str, variant: str, num_classes: int = 10) -> nn.Module:

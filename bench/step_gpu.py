@@ -11,8 +11,11 @@ called before every step, as a recipe does), in six variants built by ``bench/st
 ``build``: PyTorch's local ``nn.BatchNorm2d`` (the model as built: the baseline), distnorm's
 ``SyncBatchNorm`` (``norm="bn"``), CBN, POP-Norm, GroupNorm + BNP (``norm="gn"`` then
 ``bnp.attach``), and CBN with its stem computed as ``conv(cbn(x))`` (``cbn_unfolded``: what
-folding the stem CBN into its convolution saves, ``distnorm._folding``). Each runs eager and with the model ``torch.compile``d (the optimizer step
-stays eager). One process: the synchronized layers have no peers and skip their collectives,
+folding the stem CBN into its convolution saves, ``distnorm._folding``); on request also
+``bnp`` (local BN + BNP) and ``gn`` (GroupNorm alone), which take GN + BNP apart. Each runs
+eager and with the model ``torch.compile``d (the optimizer step stays eager).
+``--memory-format contiguous`` runs the models and the batch NCHW instead of channels_last
+(GroupNorm's CUDA kernels take NCHW only: ``aten/src/ATen/native/group_norm.cpp``). One process: the synchronized layers have no peers and skip their collectives,
 so this measures what the layers cost in compute and kernel launches; ``bench/step.py``
 measures the collectives under DDP.
 
@@ -54,7 +57,10 @@ from distnorm import models
 from distnorm._fused import triton_state
 
 MODELS = ("resnet50", "resnet18", "efficientnet_b0")
-VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded")
+#: Every variant, and the ones run when none are named.
+VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded", "bnp", "gn")
+DEFAULT_VARIANTS = VARIANTS[:6]
+MEMORY_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 MODES = ("eager", "compile")
 BASELINE = ("local_bn", "eager")
 LR = 0.01
@@ -70,14 +76,16 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", choices=models.available(), help=f"default {FULL['models']}")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
-                        help="local_bn is always included (the baseline)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS),
+                        help=f"local_bn is always included (the baseline); default {list(DEFAULT_VARIANTS)}")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="eager blocks run before compiled ones; local BN eager is timed in every block (the baseline)")
     parser.add_argument("--batch", type=int, help=f"default {FULL['batch']}")
     parser.add_argument("--size", type=int, help=f"input side in pixels, default {FULL['size']}")
     parser.add_argument("--repeats", type=int, help=f"timed steps per variant (median), default {FULL['repeats']}")
     parser.add_argument("--no-amp", dest="amp", action="store_false", help="float32 instead of bf16 autocast")
+    parser.add_argument("--memory-format", choices=MEMORY_FORMATS, default="channels_last",
+                        help="the layout of the models and the batch, default channels_last")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (eager: tracing only)")
     parser.add_argument("--smoke", action="store_true", help=f"tiny run for the tests: {SMOKE}")
     return parser
@@ -132,7 +140,8 @@ def run_block(name: str, mode: str, args: argparse.Namespace, device: torch.devi
     eager as the baseline), then time them round-robin. ``built(variant, mode, first_step_s)``
     is called after each build."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device, memory_format=torch.channels_last)
+    layout = MEMORY_FORMATS[args.memory_format]
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(device, memory_format=layout)
     y = torch.randint(0, NUM_CLASSES, (args.batch,), generator=gen).to(device)
     members = [(variant, mode) for variant in args.variants]
     if BASELINE not in members:
@@ -140,7 +149,7 @@ def run_block(name: str, mode: str, args: argparse.Namespace, device: torch.devi
     steps, first, peak = {}, {}, {}
     for variant, member_mode in members:
         before = _allocated(device)
-        model = build(name, variant, num_classes=NUM_CLASSES).to(device, memory_format=torch.channels_last)
+        model = build(name, variant, num_classes=NUM_CLASSES).to(device, memory_format=layout)
         forward = torch.compile(model, backend=args.compile_backend) if member_mode == "compile" else model
         step = make_step(model, forward, x, y, args.amp)
         start = time.perf_counter()
@@ -205,7 +214,7 @@ def main(argv=None) -> dict:
         "machine": machine(),
         "device": str(device),
         "config": {"batch": args.batch, "size": args.size, "repeats": args.repeats, "amp": "bf16" if args.amp else None,
-                   "channels_last": True, "optimizer": "SGD(lr=0.01, momentum=0.9, weight_decay=1e-4)",
+                   "channels_last": args.memory_format == "channels_last", "optimizer": "SGD(lr=0.01, momentum=0.9, weight_decay=1e-4)",
                    "compile_backend": args.compile_backend, "cudnn_benchmark": device.type == "cuda",
                    "smoke": args.smoke, "models": args.models, "variants": args.variants, "modes": args.modes},
         "complete": False,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytestmark = pytest.mark.processes  # every test here runs a benchmark script
 
@@ -222,6 +223,30 @@ def test_bench_step_gpu_smoke(step_gpu_smoke):
     _measured(result["ratios"])
     _measured({f"baseline {mode}": value / 1e3 for mode, value in baseline.items()})
     assert result["triton"] is None  # recorded on CUDA only
+
+
+def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
+    """The variants that take GN + BNP apart build what they name (GroupNorm without BNP's
+    hooks, local BN with them), run only when asked, and ``--memory-format`` sets the layout
+    the models and the batch take and the report records. Bug caught: the GPU figures of GN
+    alone measured a model that still had BNP attached, or NCHW recorded as channels_last."""
+    from distnorm._bnp_functions import BNPLayerState
+
+    step_gpu = _bench_module("step_gpu", monkeypatch)
+    step = _bench_module("step", monkeypatch)
+    assert "gn" not in step_gpu.parse_args(["--smoke"]).variants  # the report's default stays six
+    args = step_gpu.parse_args(["--smoke", "--variants", "gn", "bnp", "--memory-format", "contiguous"])
+    assert args.variants == ["local_bn", "gn", "bnp"]
+    assert step_gpu.MEMORY_FORMATS[args.memory_format] is torch.contiguous_format
+
+    def kinds(model):
+        bnp = sum(isinstance(getattr(m, "_distnorm_bnp", None), BNPLayerState) for m in model.modules())
+        return (sum(isinstance(m, nn.GroupNorm) for m in model.modules()) > 0,
+                sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) > 0, bnp > 0)
+
+    assert kinds(step.build("resnet20", "gn")) == (True, False, False)
+    assert kinds(step.build("resnet20", "bnp")) == (False, True, True)
+    assert kinds(step.build("resnet20", "bnp_gn")) == (True, False, True)
 
 
 @pytest.mark.timeout(120)
