@@ -24,6 +24,9 @@ process (its whole output also goes to ``<out>/<name>.<part>.log`` as it runs):
 * **host**: ``bench/host_cost.py --device cuda --profile cbn``: each layer's host time to
   issue one training step, its first host sync (CUDA's sync debug mode), CBN's costliest
   Python functions.
+* **profile**: ``bench/profile_step.py --device cuda --variants local_bn cbn --repeats 5``:
+  where a ResNet-50 step's time goes, local BN against CBN: the step, the host's time to
+  issue it, the GPU's kernels summed, the kernel count (not in ``--quick``).
 * **layers**: ``bench/layers.py --device cuda``: each layer's forward+backward against
   ``nn.BatchNorm2d``.
 * **decode**: ``bench/decode_gpu.py --device cuda``: the data pipeline's ``decode_device:
@@ -78,7 +81,7 @@ import torch
 from _common import REPO, machine
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("tests", "step_eager", "host", "layers", "decode", "step_compile")
+PARTS = ("tests", "step_eager", "host", "profile", "layers", "decode", "step_compile")
 TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_step_cost.py", "tests/test_compile.py",
          "tests/test_checkpointing.py"]
 #: Only the tests that need CUDA (the CPU tests of these files run in ``make test``).
@@ -109,8 +112,10 @@ class Plan:
 PLANS = {
     "default": Plan(
         budget_s=450,
-        limits_s={"tests": 240, "step_eager": 150, "host": 60, "layers": 90, "decode": 90, "step_compile": 300},
+        limits_s={"tests": 240, "step_eager": 150, "host": 60, "profile": 90, "layers": 90, "decode": 90,
+                  "step_compile": 300},
         args={"step_eager": ("--modes", "eager"), "host": ("--profile", "cbn"),
+              "profile": ("--variants", "local_bn", "cbn", "--repeats", "5"),
               "step_compile": ("--modes", "compile", "--models", "resnet50", "--variants", "local_bn", "cbn")}),
     "quick": Plan(
         budget_s=210,
@@ -119,8 +124,8 @@ PLANS = {
               "layers": ("--repeats", "5"),
               "decode": ("--repeats", "1")}),
 }
-SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "host": "host_cost.py", "layers": "layers.py",
-           "decode": "decode_gpu.py"}
+SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "host": "host_cost.py",
+           "profile": "profile_step.py", "layers": "layers.py", "decode": "decode_gpu.py"}
 
 
 def default_out() -> str:
@@ -153,6 +158,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tests", nargs="+", default=TESTS, help="test files (relative to the repository)")
     parser.add_argument("--pytest-args", default="", help="more pytest arguments, one string (use --pytest-args=...)")
     parser.add_argument("--host-args", default="", help="more bench/host_cost.py arguments, one string")
+    parser.add_argument("--profile-args", default="", help="more bench/profile_step.py arguments, one string")
     parser.add_argument("--layers-args", default="", help="more bench/layers.py arguments, one string")
     parser.add_argument("--step-args", default="", help="more bench/step_gpu.py arguments (both step parts)")
     parser.add_argument("--decode-args", default="", help="more bench/decode_gpu.py arguments, one string")
@@ -344,7 +350,7 @@ def run_benchmark(name: str, args: argparse.Namespace, timeout_s: float) -> dict
     result = out / f"{args.name}.{name}.json"
     result.unlink(missing_ok=True)
     extra = {"step_eager": args.step_args, "step_compile": args.step_args, "host": args.host_args,
-             "layers": args.layers_args, "decode": args.decode_args}[name]
+             "profile": args.profile_args, "layers": args.layers_args, "decode": args.decode_args}[name]
     shown = [f"bench/{SCRIPTS[name]}", "--device", "cuda", *args.plan_args.get(name, ()), *shlex.split(extra)]
     cmd = [sys.executable, str(REPO / shown[0]), *shown[1:], "--json", str(result)]
     done = run_part(cmd, out / f"{args.name}.{name}.log", timeout_s)
@@ -415,6 +421,23 @@ def _host_lines(host: dict) -> list[str]:
     return lines + [""]
 
 
+def _profile_lines(profile: dict) -> list[str]:
+    lines = ["## Where a step's time goes (one GPU, the profiler)", ""]
+    if "result" not in profile:
+        return lines + [_status_line(profile), ""]
+    r = profile["result"]
+    cfg = r["config"]
+    lines += [] if profile["status"] == "ran" else [_status_line(profile) + "; what it finished:", ""]
+    lines += [f"`{profile['command']}`: batch {cfg['batch']}, {cfg['size']} px, eager; the step (synchronized), the "
+              "host's time to issue it, the GPU's kernels summed (a step whose host time nears its wall time is bound by "
+              "the host).", "",
+              "| model | variant | step ms | host ms | kernels ms | kernels |", "|---|---|---|---|---|---|"]
+    for model, variants in r["models"].items():
+        lines += [f"| {model} | {variant} | {e['wall_ms']} | {e['host_ms']} | {e['device_kernel_ms']} | {e['kernels']} |"
+                  for variant, e in variants.items()]
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
     m, cuda, triton = report["machine"], report["cuda"], report["triton"]
     gpus = ", ".join(cuda["devices"]) or cuda["reason"]
@@ -448,6 +471,7 @@ def markdown(report: dict) -> str:
                   for f in tests["failures"]] + ([""] if tests["failures"] else [])
     lines += ["## Training step, eager (one GPU)", "", *_step_lines(report["parts"]["step_eager"])]
     lines += _host_lines(report["parts"].get("host", {"status": "skipped", "reason": "not in this report"}))
+    lines += _profile_lines(report["parts"].get("profile", {"status": "skipped", "reason": "not in this report"}))
     layers = report["parts"]["layers"]
     lines += ["## Layer benchmark (forward + backward, one GPU)", ""]
     if layers["status"] != "ran":

@@ -266,7 +266,7 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
     assert all("CUDA" in reason for reason in tests["skip_reasons"])
     assert "-m cuda" in tests["command"] and (tmp_path / "report.tests.xml").is_file()
     assert (tmp_path / tests["log"]).read_text().startswith("$ ")
-    for part in ("step_eager", "host", "layers", "decode", "step_compile"):
+    for part in ("step_eager", "host", "profile", "layers", "decode", "step_compile"):
         assert report["parts"][part] == {"status": "skipped", "reason": report["cuda"]["reason"]}
     triton = report["triton"]
     assert set(triton) == {"imports", "version", "error", "cc", "DISTNORM_TRITON"} and set(triton["cc"]) == {"path", "source", "version"}
@@ -424,6 +424,10 @@ def test_profile_step_and_host_cost_name_what_runs(tmp_path, monkeypatch):
     ops = {name: {o["op"] for o in r["host_ops"]} for name, r in steps.items()}
     assert {"distnorm::cbn_plan", "distnorm::backward_sums"} <= ops["cbn"]
     assert not any(op.startswith("distnorm::") for op in ops["local_bn"])
+    gpu_report = _bench_module("gpu_report", monkeypatch)  # the GPU report's table of it
+    lines = gpu_report._profile_lines({"status": "ran", "command": "python bench/profile_step.py", "result": result})
+    assert [line.split(" | ")[:3] for line in lines if line.startswith("| resnet20 ")] == [
+        ["| resnet20", "local_bn", str(steps["local_bn"]["wall_ms"])], ["| resnet20", "cbn", str(steps["cbn"]["wall_ms"])]]
 
     host_cost = _bench_module("host_cost", monkeypatch)
     cost = host_cost.main(["--device", "cpu", "--iters", "3", "--rounds", "2", "--profile", "cbn", "--top", "80"])
