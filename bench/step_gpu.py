@@ -7,7 +7,7 @@ BatchNorm, eager and ``torch.compile``d, in the same run.
 ResNet-50, ResNet-18 and EfficientNet-B0 (torchvision, 1000 classes, their own activations)
 at 224 px, batch 256, bf16 autocast, channels_last, SGD (momentum 0.9, weight decay 1e-4,
 lr 0.01 so that AMAT's eta = 0.9: CBN's history path, the most expensive one; ``set_lr`` is
-called before every step, as a recipe does), in six variants built by ``bench/step.py``'s
+called before every step, as a recipe does), by default in six variants built by ``bench/step.py``'s
 ``build``: PyTorch's local ``nn.BatchNorm2d`` (the model as built: the baseline), distnorm's
 ``SyncBatchNorm`` (``norm="bn"``), CBN, POP-Norm, GroupNorm + BNP (``norm="gn"`` then
 ``bnp.attach``), and CBN with its stem computed as ``conv(cbn(x))`` (``cbn_unfolded``: what
@@ -15,9 +15,10 @@ folding the stem CBN into its convolution saves, ``distnorm._folding``); on requ
 ``bnp`` (local BN + BNP) and ``gn`` (GroupNorm alone), which take GN + BNP apart. Each runs
 eager and with the model ``torch.compile``d (the optimizer step stays eager).
 ``--memory-format contiguous`` runs the models and the batch NCHW instead of channels_last
-(GroupNorm's CUDA kernels take NCHW only: ``aten/src/ATen/native/group_norm.cpp``). One process: the synchronized layers have no peers and skip their collectives,
-so this measures what the layers cost in compute and kernel launches; ``bench/step.py``
-measures the collectives under DDP.
+(CUDA's ``group_norm`` copies a channels_last input to NCHW:
+``aten/src/ATen/native/group_norm.cpp``). One process: the synchronized layers have no peers
+and skip their collectives, so this measures what the layers cost in compute and kernel
+launches; ``bench/step.py`` measures the collectives under DDP.
 
 The work comes in blocks, every eager block before any compiled one and the models in the
 order given (ResNet-50 first by default), so a run cut short keeps the cheap figures: a
