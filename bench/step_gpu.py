@@ -12,7 +12,9 @@ called before every step, as a recipe does), by default in six variants built by
 ``SyncBatchNorm`` (``norm="bn"``), CBN, POP-Norm, GroupNorm + BNP (``norm="gn"`` then
 ``bnp.attach``), and CBN with its stem computed as ``conv(cbn(x))`` (``cbn_unfolded``: what
 folding the stem CBN into its convolution saves, ``distnorm._folding``); on request also
-``bnp`` (local BN + BNP) and ``gn`` (GroupNorm alone), which take GN + BNP apart. Each runs
+``bnp`` (local BN + BNP) and ``gn`` (GroupNorm alone), which take GN + BNP apart, and
+``gn_lowp`` / ``bnp_gn_lowp``: GroupNorm in the autocast dtype instead of CUDA autocast's
+float32 (``bench/step.py``'s ``LowPrecisionGroupNorm``). Each runs
 eager and with the model ``torch.compile``d (the optimizer step stays eager).
 ``--memory-format contiguous`` runs the models and the batch NCHW instead of channels_last
 (CUDA's ``group_norm`` copies a channels_last input to NCHW:
@@ -59,7 +61,7 @@ from distnorm._fused import triton_state
 
 MODELS = ("resnet50", "resnet18", "efficientnet_b0")
 #: Every variant, and the ones run when none are named.
-VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded", "bnp", "gn")
+VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded", "bnp", "gn", "gn_lowp", "bnp_gn_lowp")
 DEFAULT_VARIANTS = VARIANTS[:6]
 MEMORY_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 MODES = ("eager", "compile")

@@ -227,7 +227,7 @@ def test_bench_step_gpu_smoke(step_gpu_smoke):
 
 def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
     """The variants that take GN + BNP apart build what they name (GroupNorm without BNP's
-    hooks, local BN with them), run only when asked, and ``--memory-format`` sets the layout
+    hooks, local BN with them, GroupNorm in its input's dtype), run only when asked, and ``--memory-format`` sets the layout
     the models and the batch take and the report records. Bug caught: the GPU figures of GN
     alone measured a model that still had BNP attached, or NCHW recorded as channels_last."""
     from distnorm._bnp_functions import BNPLayerState
@@ -247,6 +247,15 @@ def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
     assert kinds(step.build("resnet20", "gn")) == (True, False, False)
     assert kinds(step.build("resnet20", "bnp")) == (False, True, True)
     assert kinds(step.build("resnet20", "bnp_gn")) == (True, False, True)
+    assert kinds(step.build("resnet20", "bnp_gn_lowp")) == (True, False, True)
+    # *_lowp: every GroupNorm computes in its input's dtype, the same values as GroupNorm's
+    plain, lowp = step.build("resnet20", "gn"), step.build("resnet20", "gn_lowp")
+    norms = [m for m in lowp.modules() if isinstance(m, nn.GroupNorm)]
+    assert norms and all(type(m) is step.LowPrecisionGroupNorm for m in norms)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(lowp(x), plain(x))
+    bf16 = norms[0](torch.randn(2, norms[0].num_channels, 4, 4, dtype=torch.bfloat16))
+    assert bf16.dtype == torch.bfloat16
 
 
 @pytest.mark.timeout(120)
