@@ -428,9 +428,10 @@ def _profile_lines(profile: dict) -> list[str]:
     r = profile["result"]
     cfg = r["config"]
     lines += [] if profile["status"] == "ran" else [_status_line(profile) + "; what it finished:", ""]
-    lines += [f"`{profile['command']}`: batch {cfg['batch']}, {cfg['size']} px, eager; the step (synchronized), the "
-              "host's time to issue it, the GPU's kernels summed (a step whose host time nears its wall time is bound by "
-              "the host).", "",
+    lines += [f"`{profile['command']}`: batch {cfg['batch']}, {cfg['size']} px, {'bf16' if cfg['amp'] else 'float32'}, "
+              f"{'channels_last' if cfg.get('channels_last', True) else 'NCHW'}, eager, median of {cfg['repeats']} steps; "
+              "the step (synchronized), the host's time to issue it, the GPU's kernels summed (a step whose host time "
+              "nears its wall time is bound by the host).", "",
               "| model | variant | step ms | host ms | kernels ms | kernels |", "|---|---|---|---|---|---|"]
     for model, variants in r["models"].items():
         lines += [f"| {model} | {variant} | {e['wall_ms']} | {e['host_ms']} | {e['device_kernel_ms']} | {e['kernels']} |"

@@ -4,8 +4,9 @@ launches) or the device (kernels), and which operators and kernels cost the most
     python bench/profile_step.py --json bench/results/profile-gpu.json              # ResNet-50, on CUDA
     python bench/profile_step.py --smoke --device cpu                               # tiny, for the tests
 
-The step is ``bench/step_gpu.py``'s (SGD, bf16 autocast, channels_last; the variants built by
-``bench/step.py``'s ``build``), eager, one process. Each variant is warmed up, then three
+The step is ``bench/step_gpu.py``'s (SGD, bf16 autocast, channels_last unless
+``--memory-format contiguous``; the variants built by ``bench/step.py``'s ``build``), eager,
+one process. Each variant is warmed up, then three
 figures are taken per step, from separate steps so that the profiler's own cost stays out
 of the first two:
 

@@ -227,17 +227,16 @@ def test_bench_step_gpu_smoke(step_gpu_smoke):
 
 def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
     """The variants that take GN + BNP apart build what they name (GroupNorm without BNP's
-    hooks, local BN with them, GroupNorm in its input's dtype), run only when asked, and ``--memory-format`` sets the layout
-    the models and the batch take and the report records. Bug caught: the GPU figures of GN
-    alone measured a model that still had BNP attached, or NCHW recorded as channels_last."""
+    hooks, local BN with them, GroupNorm computed in its input's dtype under autocast) and run
+    only when asked; ``--memory-format contiguous`` gives the models and the batch NCHW, and
+    the report records it. Bugs caught: GN alone measured with BNP still attached, the
+    ``*_lowp`` GroupNorm handed float32 parameters under autocast, the layout option ignored
+    or NCHW recorded as channels_last."""
     from distnorm._bnp_functions import BNPLayerState
 
     step_gpu = _bench_module("step_gpu", monkeypatch)
     step = _bench_module("step", monkeypatch)
     assert "gn" not in step_gpu.parse_args(["--smoke"]).variants  # the report's default stays six
-    args = step_gpu.parse_args(["--smoke", "--variants", "gn", "bnp", "--memory-format", "contiguous"])
-    assert args.variants == ["local_bn", "gn", "bnp"]
-    assert step_gpu.MEMORY_FORMATS[args.memory_format] is torch.contiguous_format
 
     def kinds(model):
         bnp = sum(isinstance(getattr(m, "_distnorm_bnp", None), BNPLayerState) for m in model.modules())
@@ -248,14 +247,38 @@ def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
     assert kinds(step.build("resnet20", "bnp")) == (False, True, True)
     assert kinds(step.build("resnet20", "bnp_gn")) == (True, False, True)
     assert kinds(step.build("resnet20", "bnp_gn_lowp")) == (True, False, True)
-    # *_lowp: every GroupNorm computes in its input's dtype, the same values as GroupNorm's
-    plain, lowp = step.build("resnet20", "gn"), step.build("resnet20", "gn_lowp")
-    norms = [m for m in lowp.modules() if isinstance(m, nn.GroupNorm)]
-    assert norms and all(type(m) is step.LowPrecisionGroupNorm for m in norms)
+
+    class GroupNormDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+        """The (input, weight) dtypes of every GroupNorm kernel call."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[tuple[torch.dtype, torch.dtype]] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.native_group_norm.default:
+                self.seen.add((args[0].dtype, args[1].dtype))
+            return func(*args, **(kwargs or {}))
+
     x = torch.randn(2, 3, 32, 32)
-    torch.testing.assert_close(lowp(x), plain(x))
-    bf16 = norms[0](torch.randn(2, norms[0].num_channels, 4, 4, dtype=torch.bfloat16))
-    assert bf16.dtype == torch.bfloat16
+    plain, lowp = step.build("resnet20", "gn"), step.build("resnet20", "gn_lowp")
+    torch.testing.assert_close(lowp(x), plain(x))  # the same values outside autocast
+    for model, expected in ((plain, torch.float32), (lowp, torch.bfloat16)):
+        with GroupNormDtypes() as spy, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x)
+        assert spy.seen == {(torch.bfloat16, expected)}, (type(model), spy.seen)
+
+    seen = []
+    make_step = step_gpu.make_step
+    monkeypatch.setattr(step_gpu, "make_step", lambda model, forward, x, y, amp: seen.append((model, x))
+                        or make_step(model, forward, x, y, amp))
+    result = step_gpu.main(["--smoke", "--device", "cpu", "--modes", "eager", "--variants", "gn",
+                            "--memory-format", "contiguous"])
+    assert result["config"]["channels_last"] is False and len(seen) == 2  # local BN and GN
+    for model, batch in seen:
+        convs = [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
+        assert batch.is_contiguous() and all(w.is_contiguous() for w in convs)
+        assert not batch.is_contiguous(memory_format=torch.channels_last)
 
 
 @pytest.mark.timeout(120)
