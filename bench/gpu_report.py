@@ -9,8 +9,11 @@ the benchmarks (eager before compiled, ResNet-50 first), gathered into one repor
 Runs with the interpreter it is given and installs nothing (a bare GPU machine: torch,
 torchvision, accelerate, timm, pytest; no Sybil, DeepSpeed, WebDataset, Lightning,
 pytest-timeout or network). ``<out>`` is ``--out``, else ``$OUT`` when it is set (the folder a
-lent machine sends back), else ``bench/results``. The parts, in this order, each in its own
-process (its whole output also goes to ``<out>/<name>.<part>.log`` as it runs):
+lent machine sends back), else ``bench/results``. With ``--bundle`` (the default when the
+report goes to ``$OUT``: such a machine sends back few files) the parts write into a folder of
+their own, packed into ``<out>/<name>.parts.tar.gz`` at every rewrite of the report, so
+``<out>`` holds three files. The parts, in this order, each in its own process (its whole
+output also goes to ``<out>/<name>.<part>.log`` as it runs, or into the bundle):
 
 * **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_step_cost.py tests/test_compile.py tests/test_checkpointing.py``
   with ``DISTNORM_TEST_TIER=gpu`` (conftest.py then does without Sybil): the CUDA tests only,
@@ -68,6 +71,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -150,6 +155,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the 4-minute plan: no compiled step, ResNet-50 only")
     parser.add_argument("--out", help="folder of the report (default: $OUT when set, else bench/results)")
+    parser.add_argument("--bundle", action=argparse.BooleanOptionalAction, default=None,
+                        help="put every part's log and JSON into one <name>.parts.tar.gz beside the report, so the "
+                             "folder holds three files (default: on when the report goes to $OUT)")
     parser.add_argument("--name", default=f"gpu-{date.today().isoformat()}", help="file stem of the report")
     parser.add_argument("--only", nargs="+", choices=PARTS, help="parts to run (default: the plan's)")
     parser.add_argument("--budget-s", type=float, help="seconds for the whole run (default: 450, --quick 210)")
@@ -175,7 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.plan_parts = [part for part in PARTS if part in plan.limits_s]
     args.limits_s = {**plan.limits_s, **dict(args.part_timeout)}
     args.plan_args = plan.args
+    if args.bundle is None:  # a lent machine sends back few files from $OUT: three, then
+        args.bundle = args.out is None and bool(os.environ.get("OUT"))
     args.out = args.out or default_out()
+    args.parts_dir = Path(args.out)  # main() gives --bundle a folder of its own
     if not args.name or "/" in args.name:
         parser.error(f"--name must be a file stem without '/', got {args.name!r}")
     return args
@@ -327,7 +338,7 @@ def pytest_command(args: argparse.Namespace, junit: Path) -> list[str]:
 def run_tests(args: argparse.Namespace, timeout_s: float) -> dict:
     if importlib.util.find_spec("pytest") is None:
         return {"status": "skipped", "reason": f"pytest is not installed for {sys.executable}"}
-    out = Path(args.out)
+    out = Path(args.parts_dir)
     xml = out / f"{args.name}.tests.xml"
     xml.unlink(missing_ok=True)  # a report from an earlier run of the same name is not this run's
     cmd = pytest_command(args, xml)
@@ -346,7 +357,7 @@ def run_tests(args: argparse.Namespace, timeout_s: float) -> dict:
 
 
 def run_benchmark(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
-    out = Path(args.out)
+    out = Path(args.parts_dir)
     result = out / f"{args.name}.{name}.json"
     result.unlink(missing_ok=True)
     extra = {"step_eager": args.step_args, "step_compile": args.step_args, "host": args.host_args,
@@ -498,23 +509,32 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def write_report(report: dict, out: Path) -> None:
+def write_report(report: dict, out: Path, parts_dir: Path | None = None) -> None:
     """``<name>.json`` and ``<name>.md`` in ``out``, each through a rename: a kill mid-write
-    leaves the previous version."""
+    leaves the previous version. With ``parts_dir`` (``--bundle``): also
+    ``<name>.parts.tar.gz``, every file the parts wrote there so far, the same way."""
     out.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(report, indent=2) + "\n"), (".md", markdown(report))):
         target = out / f"{report['name']}{suffix}"
         tmp = target.with_name(target.name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, target)
+    if parts_dir is not None:
+        target = out / report["parts_bundle"]
+        tmp = target.with_name(target.name + ".tmp")
+        with tarfile.open(tmp, "w:gz") as bundle:
+            for path in sorted(parts_dir.iterdir()):
+                if path.is_file():
+                    bundle.add(path, arcname=path.name)
+        os.replace(tmp, target)
 
 
-def _run_part(part: str, args: argparse.Namespace, timeout_s: float, report: dict, out: Path) -> dict:
+def _run_part(part: str, args: argparse.Namespace, timeout_s: float, report: dict, save) -> dict:
     """Mark ``part`` running in the report on disk (a run killed from outside shows where it
-    was), then run it."""
+    was; ``save()`` writes it), then run it."""
     report["parts"][part] = {"status": "running", "reason": f"started with a {timeout_s:.0f} s limit; a report that "
                                                             "still says so was stopped from outside"}
-    write_report(report, out)
+    save()
     return run_tests(args, timeout_s) if part == "tests" else run_benchmark(part, args, timeout_s)
 
 
@@ -525,6 +545,8 @@ def _stop_on_sigterm(signum, frame) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
+    # --bundle: the parts write into a folder of their own, packed beside the report after each
+    args.parts_dir = Path(tempfile.mkdtemp(prefix=f"{args.name}-parts-")) if args.bundle else out
     deadline = time.monotonic() + args.budget_s
     cuda = cuda_info()
     report = {"report": "gpu", "name": args.name,
@@ -532,12 +554,18 @@ def main(argv=None) -> int:
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "budget_s": args.budget_s,
               "limits_s": args.limits_s, "machine": machine(), "cuda": cuda, "packages": packages(),
               "triton": triton_info(), "parts": {}}
+    if args.bundle:
+        report["parts_bundle"] = f"{args.name}.parts.tar.gz"  # where each part's "log" and JSON are
     parts = report["parts"]
+
+    def save() -> None:
+        write_report(report, out, args.parts_dir if args.bundle else None)
+
     wanted = [p for p in PARTS if p in (args.only or args.plan_parts)]
     for part in PARTS:
         parts[part] = {"status": "pending"} if part in wanted else \
             {"status": "skipped", "reason": "not asked for (--only)" if args.only else "not in this plan (--quick)"}
-    write_report(report, out)
+    save()
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         for part in wanted:
@@ -546,22 +574,24 @@ def main(argv=None) -> int:
                 parts[part] = {"status": "skipped", "reason": f"no time left: {left:.0f} s of the {args.budget_s:.0f} s "
                                                               "budget (--budget-s)"}
             elif part == "tests":  # with or without CUDA: the tests skip what the machine lacks themselves
-                parts[part] = _run_part(part, args, min(args.limits_s.get(part, left), left), report, out)
+                parts[part] = _run_part(part, args, min(args.limits_s.get(part, left), left), report, save)
             elif not cuda["device_count"]:
                 parts[part] = {"status": "skipped", "reason": cuda["reason"]}
             else:
-                parts[part] = _run_part(part, args, min(args.limits_s.get(part, left), left), report, out)
+                parts[part] = _run_part(part, args, min(args.limits_s.get(part, left), left), report, save)
             print(f"{part}: {_status_line(parts[part])}", flush=True)
-            write_report(report, out)
+            save()
     except KeyboardInterrupt as stop:
         for part in PARTS:
             if parts[part]["status"] in ("pending", "running"):
                 parts[part] = {"status": "skipped" if parts[part]["status"] == "pending" else "failed",
                                "reason": f"gpu_report was stopped ({stop or 'interrupt'})"}
-        write_report(report, out)
+        save()
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if args.bundle:  # packed into <name>.parts.tar.gz at every save
+            shutil.rmtree(args.parts_dir, ignore_errors=True)
     print(f"wrote {out / (args.name + '.md')}")
     for name, part in parts.items():
         summary = {k: part[k] for k in ("passed", "failed", "errors", "skipped") if k in part}

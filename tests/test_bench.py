@@ -308,6 +308,28 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
     assert "C compiler for its launchers" in md
 
 
+@pytest.mark.timeout(120)
+def test_gpu_report_to_out_bundles_the_parts(tmp_path, monkeypatch):
+    """Sent to ``$OUT`` (a lent machine sends back a few files from it), the report is three
+    files: its JSON, its Markdown and every part's log and JSON in one archive, rewritten with
+    the report. Bug caught: the parts' files beside the report (one per part: past the number
+    of files a lent machine sends back, so some were left behind)."""
+    import tarfile
+
+    gpu_report = _bench_module("gpu_report", monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_report.main(["--tests", "tests/test_cuda.py", "--only", "tests", "--name", "r"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md", "r.parts.tar.gz"]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["parts_bundle"] == "r.parts.tar.gz" and report["parts"]["tests"]["status"] == "ran"
+    with tarfile.open(tmp_path / "r.parts.tar.gz") as bundle:
+        assert sorted(bundle.getnames()) == ["r.tests.log", "r.tests.xml"]
+        assert bundle.extractfile(report["parts"]["tests"]["log"]).read().startswith(b"$ ")
+    assert gpu_report.parse_args(["--out", str(tmp_path)]).bundle is False  # a folder of one's own: as before
+
+
 def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
     """The report's summary of a JUnit file (a failure fails the part), its step tables, and a
     step part stopped at its limit: what it finished, and what it built but did not time."""
