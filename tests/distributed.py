@@ -6,8 +6,9 @@ call ``fn(rank, world_size, *args)`` and send back its result. Any rank's except
 re-raised in the test with that rank's traceback, and the other ranks are killed at once;
 a deadline bounds the whole run, so a hang fails the test instead of the suite.
 
-Children come from a fork server that has imported torch once, so each test pays process
-start-up in milliseconds, not seconds. ``fn`` must be a module-level function.
+Children come from a fork server that has imported torch (and ``torch._dynamo``, which DDP
+imports) once, so each test pays process start-up in milliseconds, not seconds. ``fn`` must
+be a module-level function.
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ import torch
 import torch.distributed as dist
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "distnorm"])
+# torch._dynamo too: DistributedDataParallel's constructor reads
+# torch._dynamo.utils.get_optimize_ddp_mode() (torch/nn/parallel/distributed.py), which
+# imports it, ~1.3 CPU-seconds, in every rank that wraps a model; imported once in the
+# server, the children inherit it. (`import distnorm` is lazy: it preloads nothing else.)
+_CTX.set_forkserver_preload(["torch", "torch._dynamo", "distnorm"])
 
 
 def _child(fn: Callable, rank: int, world_size: int, store_path: str, results: Any,
