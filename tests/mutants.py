@@ -829,7 +829,7 @@ MUTANTS: list[Mutant] = [
         "make test-gpu: a run killed from outside keeps its report and shows where it stopped",
         "bench/gpu_report.py",
         '                                                            "still says so was stopped from outside"}\n'
-        "    write_report(report, out)\n",
+        "    save()\n",
         '                                                            "still says so was stopped from outside"}\n'
         "    pass\n",
         ("tests/test_bench.py::test_gpu_report_stopped_from_outside_keeps_its_report",),
@@ -1179,6 +1179,22 @@ MUTANTS: list[Mutant] = [
         "        tl.store(sums_ptr + C + offs, q * t, mask=m)\n",
         "        tl.store(sums_ptr + C + offs, t, mask=m)\n",
         ("tests/test_fused.py::test_triton_backward_kernel_equals_composite",),
+    ),
+    Mutant(
+        "worker-prints-dropped-handoffs",
+        "Ctrl-C leaves one line: a DataLoader worker prints no traceback when the main process drops a batch handoff",
+        "distnorm/data/loaders.py",
+        "    _quiet_dropped_handoffs()\n",
+        "    pass\n",
+        ("tests/test_data.py::test_a_worker_prints_no_traceback_when_the_main_process_drops_a_batch_handoff",),
+    ),
+    Mutant(
+        "worker-hides-every-error",
+        "a DataLoader worker's hook drops only the resource sharer's connection errors",
+        "distnorm/data/loaders.py",
+        "        if issubclass(kind, (ConnectionError, EOFError)) and tb is not None and tb.tb_frame.f_code is serving_loop:\n",
+        "        if True:\n",
+        ("tests/test_data.py::test_a_worker_prints_no_traceback_when_the_main_process_drops_a_batch_handoff",),
     ),
     Mutant(
         "checkpoint-commit-interruptible",

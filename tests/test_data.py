@@ -262,6 +262,69 @@ def _eval_worker(rank, world, root, workers, batch):
     return len(loader), keys, metrics
 
 
+_DROPPED_HANDOFF = """
+import os, sys
+from multiprocessing.resource_sharer import DupFd
+from distnorm.data.loaders import _worker_init
+
+def dropped_handoff():
+    # A descriptor served by this process's resource-sharer thread, as a worker serves a
+    # batch's; the test connects to the thread and hangs up mid-handshake, as a main process
+    # stopped by Ctrl-C does. Fetching it here afterwards returns once the thread has dealt
+    # with that connection (it serves one at a time).
+    handoff = DupFd(os.open(os.devnull, os.O_RDONLY))
+    print(handoff._id[0], flush=True)
+    sys.stdin.readline()
+    os.close(handoff.detach())
+
+dropped_handoff()
+print("--- the worker's hook installed ---", file=sys.stderr, flush=True)
+_worker_init(0)
+dropped_handoff()
+sys.excepthook(ValueError, ValueError("any other error"), None)
+"""
+
+
+@pytest.mark.processes
+def test_a_worker_prints_no_traceback_when_the_main_process_drops_a_batch_handoff(synth_shards):
+    """A DataLoader worker hands each batch's shared memory over as a file descriptor, which
+    the main process fetches from the worker's resource-sharer thread. A main process stopped
+    in that handshake (Ctrl-C under ``torchrun``) left the thread printing a
+    ``BrokenPipeError`` / ``ConnectionResetError`` / ``EOFError`` traceback after the run's
+    one-line report (a plain DataLoader iterated fast and sent SIGINT at a random time: 30 of
+    40 runs). The loaders' workers start with a hook that drops exactly those errors of that
+    thread and passes every other on. Bug caught: the traceback, seen in
+    ``test_train.py::test_ctrl_c_under_torchrun_says_where_to_resume_in_one_line`` (1 run in
+    CI on 2026-11-27)."""
+    import socket
+
+    from distnorm.data.loaders import _worker_init
+
+    root, index = synth_shards
+    loader = D.TrainLoader(f"{root}/train-{{000000..000006}}.tar", num_samples=index.total, batch_size=4,
+                           num_workers=2, transform="digits", image_size=16)
+    assert loader._dataloader([]).worker_init_fn is _worker_init  # every worker of these loaders runs it
+
+    child = subprocess.Popen([sys.executable, "-c", _DROPPED_HANDOFF], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(2):  # without the hook, then with it
+            address = child.stdout.readline().strip()
+            assert address, child.stderr.read()
+            with socket.socket(socket.AF_UNIX) as s:  # connect, then hang up unanswered
+                s.connect(address)
+            child.stdin.write("\n")
+            child.stdin.flush()
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    before, after = err.split("--- the worker's hook installed ---")
+    assert "resource_sharer.py" in before and "Traceback" in before, before  # the scenario happens
+    assert "Traceback" not in after and "resource_sharer" not in after, after
+    assert "ValueError: any other error" in after  # other errors still reach the previous hook
+
+
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.processes),
                                      pytest.param(3, marks=pytest.mark.processes)])
 def test_train_loader_resumes_mid_epoch_exactly(synth_shards, workers):

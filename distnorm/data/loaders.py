@@ -43,8 +43,11 @@ import io
 import logging
 import math
 import random
+import sys
 import warnings
 from dataclasses import dataclass, field
+from multiprocessing.resource_sharer import _ResourceSharer
+from types import TracebackType
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -356,6 +359,37 @@ class _TrainStream(IterableDataset):
                 break
 
 
+def _quiet_dropped_handoffs() -> None:
+    """Keep a DataLoader worker from printing a traceback when the main process stops in the
+    middle of fetching a batch.
+
+    A worker hands each batch's shared memory to the main process as a file descriptor. The
+    worker's ``multiprocessing`` resource-sharer thread serves it, and the main process
+    connects to that thread to fetch it. If the main process stops during that handshake
+    (Ctrl-C, which ``torchrun`` forwards to it; a crash), the thread finds the connection
+    closed. It then passes ``BrokenPipeError``, ``ConnectionResetError`` or ``EOFError`` to
+    ``sys.excepthook``, which prints a traceback after the main process's one-line report.
+
+    That connection's only reader is gone and reports its own reason, so this hook drops
+    exactly those errors: a connection error raised in the resource sharer's serving loop.
+    Every other exception still reaches the previous hook.
+    """
+    previous = sys.excepthook
+    serving_loop = _ResourceSharer._serve.__code__
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and tb is not None and tb.tb_frame.f_code is serving_loop:
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _worker_init(worker_id: int) -> None:
+    """What each DataLoader worker of these loaders runs first: :func:`_quiet_dropped_handoffs`."""
+    _quiet_dropped_handoffs()
+
+
 class _LoaderBase:
     """DataLoader construction shared by the train and eval loaders."""
 
@@ -394,6 +428,7 @@ class _LoaderBase:
             pin_memory=self.pin_memory,
             prefetch_factor=self.prefetch_factor if self.num_workers else None,
             persistent_workers=False,  # new workers each epoch pick up set_epoch()
+            worker_init_fn=_worker_init,
         )
 
     def _account(self, skipped: int, messages: list[str]) -> None:
