@@ -46,7 +46,7 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass, field
-from multiprocessing.resource_sharer import _ResourceSharer
+from multiprocessing import resource_sharer
 from types import TracebackType
 from typing import Any, Callable, Iterator, Sequence
 
@@ -374,8 +374,12 @@ def _quiet_dropped_handoffs() -> None:
     exactly those errors: a connection error raised in the resource sharer's serving loop.
     Every other exception still reaches the previous hook.
     """
-    previous = sys.excepthook
-    serving_loop = _ResourceSharer._serve.__code__
+    # A private class of the standard library (3.6 to 3.13 checked); without it there is
+    # nothing to recognise, and nothing is filtered.
+    serve = getattr(getattr(resource_sharer, "_ResourceSharer", None), "_serve", None)
+    if serve is None:
+        return
+    previous, serving_loop = sys.excepthook, serve.__code__
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         if issubclass(kind, (ConnectionError, EOFError)) and tb is not None and tb.tb_frame.f_code is serving_loop:
