@@ -291,11 +291,10 @@ def test_a_worker_prints_no_traceback_when_the_main_process_drops_a_batch_handof
     the main process fetches from the worker's resource-sharer thread. A main process stopped
     in that handshake (Ctrl-C under ``torchrun``) left the thread printing a
     ``BrokenPipeError`` / ``ConnectionResetError`` / ``EOFError`` traceback after the run's
-    one-line report (a plain DataLoader iterated fast and sent SIGINT at a random time: 30 of
-    40 runs). The loaders' workers start with a hook that drops exactly those errors of that
-    thread and passes every other on. Bug caught: the traceback, seen in
-    ``test_train.py::test_ctrl_c_under_torchrun_says_where_to_resume_in_one_line`` (1 run in
-    CI on 2026-11-27)."""
+    one-line report. The loaders' workers start with a hook that drops exactly those errors
+    of that thread and passes every other on. Bug caught: the traceback, seen by
+    ``test_train.py::test_ctrl_c_under_torchrun_says_where_to_resume_in_one_line``
+    (tests/README.md has how often)."""
     import socket
 
     from distnorm.data.loaders import _worker_init

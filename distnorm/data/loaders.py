@@ -359,9 +359,9 @@ class _TrainStream(IterableDataset):
                 break
 
 
-def _quiet_dropped_handoffs() -> None:
-    """Keep a DataLoader worker from printing a traceback when the main process stops in the
-    middle of fetching a batch.
+def _worker_init(worker_id: int) -> None:
+    """What each DataLoader worker of these loaders runs first: a hook that keeps the worker
+    from printing a traceback when the main process stops in the middle of fetching a batch.
 
     A worker hands each batch's shared memory to the main process as a file descriptor. The
     worker's ``multiprocessing`` resource-sharer thread serves it, and the main process
@@ -387,11 +387,6 @@ def _quiet_dropped_handoffs() -> None:
         previous(kind, value, tb)
 
     sys.excepthook = hook
-
-
-def _worker_init(worker_id: int) -> None:
-    """What each DataLoader worker of these loaders runs first: :func:`_quiet_dropped_handoffs`."""
-    _quiet_dropped_handoffs()
 
 
 class _LoaderBase:
