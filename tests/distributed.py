@@ -29,8 +29,8 @@ import torch.distributed as dist
 _CTX = mp.get_context("forkserver")
 # torch._dynamo too: DistributedDataParallel's constructor reads
 # torch._dynamo.utils.get_optimize_ddp_mode() (torch/nn/parallel/distributed.py), which
-# imports it, ~1.3 CPU-seconds, in every rank that wraps a model; imported once in the
-# server, the children inherit it. (`import distnorm` is lazy: it preloads nothing else.)
+# imports it in every rank that wraps a model (tests/README.md, "CPU seconds", has its cost);
+# imported once in the server, the children inherit it. (`import distnorm` is lazy: it preloads nothing else.)
 _CTX.set_forkserver_preload(["torch", "torch._dynamo", "distnorm"])
 
 
