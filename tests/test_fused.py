@@ -309,6 +309,72 @@ def test_cuda_fused_operators_equal_composite(case):
     _assert_close(torch.ops.distnorm.backward_sums(*args, "triton"), _fused.backward_sums_composite(*args))
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose address is 4 bytes past a multiple of 16 (a view at offset 1)."""
+    return torch.cat([t.new_zeros(1), t])[1:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_direct_launch_equals_tritons_own_launch():
+    """On a GPU: :class:`distnorm._triton.DirectLaunch` (Triton's compiled kernel called
+    directly after its first call) gives the bits of Triton's own launch, call after call,
+    for every case, and keeps a separate compiled kernel where Triton would compile another
+    (a misaligned statistics vector). Bugs caught: arguments passed in the wrong
+    order or without the constexprs, a kernel compiled for aligned pointers reused for a
+    misaligned one, the key forgetting the device or the constexprs."""
+    from distnorm import _triton
+
+    own = {name: launch.kernel for name, launch in _triton.KERNELS.items()}
+    direct = {name: _triton.DirectLaunch(kernel) for name, kernel in own.items()}
+    same_bits = lambda g, w: torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)  # noqa: E731
+    for kwargs in [CASES[case] for case in CASES] + [dict(history=True, channels=16)]:
+        for misaligned in (False, True):
+            *kernel_args, _ = _plan_args(**kwargs, device="cuda")
+            want_args, got_args = _clone(kernel_args), _clone(kernel_args)
+            if misaligned:  # the mean and variance 4 bytes off a 16-byte boundary
+                for a in (want_args, got_args):
+                    a[0][:2] = [_misaligned(m) for m in a[0][:2]]
+            for _ in range(3):  # the first call compiles through Triton, the others launch directly
+                want = _triton.cbn_plan(*want_args, kernels=own)
+                got = _triton.cbn_plan(*got_args, kernels=direct)
+                for g, w in zip(list(got) + got_args[BUFFERS], list(want) + want_args[BUFFERS]):
+                    same_bits(g, w)
+    aligned = [spec[0][1] for _, spec, _ in direct["cbn_plan"]._compiled]
+    assert True in aligned and False in aligned, direct["cbn_plan"]._compiled.keys()
+    args = _backward_args("cuda")
+    for _ in range(3):
+        for g, w in zip(_triton.backward_sums(*args, kernels=direct), _triton.backward_sums(*args, kernels=own)):
+            same_bits(g, w)
+    assert len(direct["backward_sums"]._compiled) == 1
+
+
+def test_the_direct_launch_key_separates_every_case_triton_compiles_apart():
+    """:func:`distnorm._triton.specialization`, the key under which a compiled kernel is
+    reused, against Triton's own specialization (``native_specialize_impl``, what
+    ``JITFunction.run`` computes on every call): two arguments with the same key have the
+    same specialization in Triton, so a kernel is never reused where Triton would compile
+    another. Bugs caught: alignment, a dtype, ``== 1``, divisibility by 16 or an integer's
+    width left out of the key."""
+    pytest.importorskip("triton")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from distnorm import _triton
+
+    base = torch.zeros(64)
+    args = [base, _misaligned(base), base[4:], base.double(), base.to(torch.bfloat16), base.int(), base > 0,
+            0, 1, 2, 15, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**32, 2**63, 0.5, 1.0, 16.0, True, False]
+    triton_spec = {i: native_specialize_impl(BaseBackend, a, False, True, True) for i, a in enumerate(args)}
+    ours = {i: _triton.specialization((a,)) for i, a in enumerate(args)}
+    assert all(key is not None for key in ours.values())
+    for i in ours:
+        for j in ours:
+            if ours[i] == ours[j]:
+                assert triton_spec[i] == triton_spec[j], (args[i], args[j], triton_spec[i], triton_spec[j])
+    assert _triton.specialization((None,)) is None  # not covered: Triton's own launch
+
+
 # ------------------------------------------- the backward's element-wise pass (one kernel)
 def _cuda_formula(g, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> torch.Tensor:
     """ATen's CUDA ``batch_norm_backward_elemt_kernel_impl`` (``Normalization.cuh``) written
