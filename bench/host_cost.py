@@ -63,7 +63,8 @@ def tritons_own_launch():
     from distnorm import _triton
 
     saved = dict(_triton.KERNELS)
-    _triton.KERNELS.update({name: getattr(kernel, "kernel", kernel) for name, kernel in saved.items()})
+    _triton.KERNELS.update({name: kernel.kernel if isinstance(kernel, _triton.DirectLaunch) else kernel
+                            for name, kernel in saved.items()})
     try:
         yield
     finally:

@@ -325,7 +325,7 @@ def test_cuda_direct_launch_equals_tritons_own_launch():
     misaligned one, the key forgetting the device or the constexprs."""
     from distnorm import _triton
 
-    own = {name: launch.kernel for name, launch in _triton.KERNELS.items()}
+    own = {name: launch.kernel for name, launch in _triton.KERNELS.items()}  # the JITFunctions
     direct = {name: _triton.DirectLaunch(kernel) for name, kernel in own.items()}
     same_bits = lambda g, w: torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)  # noqa: E731
     for kwargs in [CASES[case] for case in CASES] + [dict(history=True, channels=16)]:
