@@ -27,7 +27,7 @@ try:
 except ImportError:  # Triton before 3.4 keeps its launch hooks elsewhere: its own launch then
     knobs = None
 
-__all__ = ["BLOCK", "KERNELS", "DirectLaunch", "backward_sums", "cbn_plan", "specialization"]
+__all__ = ["BLOCK", "KERNELS", "DirectLaunch", "backward_sums", "cbn_plan", "launch_hooks_set", "specialization"]
 
 #: Channels per block of the single program (a power of two; C > BLOCK loops).
 BLOCK = 1024
@@ -179,14 +179,15 @@ def specialization(args: tuple) -> Optional[tuple]:
     """
     key = []
     for arg in args:
-        if isinstance(arg, torch.Tensor):
-            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif isinstance(arg, bool):  # before int: a bool is an int
-            key.append(bool)
-        elif isinstance(arg, int):
-            key.append((int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, -2**63 <= arg < 2**63))
-        elif isinstance(arg, float):
+        kind = type(arg)  # the common kinds by identity first: this runs on every launch
+        if kind is float:
             key.append(float)
+        elif kind is int:
+            key.append((int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, -2**63 <= arg < 2**63))
+        elif isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif kind is bool:
+            key.append(bool)
         else:
             return None
     return tuple(key)
@@ -220,10 +221,9 @@ class DirectLaunch:
 
     def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any]) -> None:
         names = self.kernel.arg_names[len(args):]  # the trailing constexprs, by name
-        runtime = knobs.runtime
         spec = specialization(args)
-        if (spec is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
-                or len(constexprs) != len(names) or any(name not in constexprs for name in names)):
+        if (spec is None or launch_hooks_set() or len(constexprs) != len(names)
+                or any(name not in constexprs for name in names)):
             self.kernel[grid](*args, **constexprs)
             return
         if self._driver is None:
@@ -241,6 +241,14 @@ class DirectLaunch:
         grid_0, grid_1, grid_2 = (tuple(grid) + (1, 1))[:3]
         compiled.run(grid_0, grid_1, grid_2, self._driver.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *values)
+
+
+def launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is set (a profiler such as Proton sets one): Triton 3.6
+    keeps each as a ``HookChain``, empty when none is set; earlier releases as a callable or
+    None."""
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 
 
 def _launched_directly(kernel: Any) -> Any:

@@ -375,6 +375,36 @@ def test_the_direct_launch_key_separates_every_case_triton_compiles_apart():
     assert _triton.specialization((None,)) is None  # not covered: Triton's own launch
 
 
+def test_the_direct_launch_steps_aside_for_a_launch_hook():
+    """With a Triton launch hook set (a profiler's), :class:`distnorm._triton.DirectLaunch`
+    leaves every launch to Triton, which calls the hook; with none, it does not. Triton 3.6
+    keeps the hooks as chains that are empty, not None, when none is set. Bugs caught: a
+    check for None only (a direct launch never taken on Triton 3.6), a hook ignored."""
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    from distnorm import _triton
+
+    if knobs is None:
+        pytest.skip("Triton before 3.4: no DirectLaunch")
+    assert not _triton.launch_hooks_set()
+    hook = lambda metadata: None  # noqa: E731
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert _triton.launch_hooks_set()
+        finally:
+            chain.remove(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+        try:
+            assert _triton.launch_hooks_set()
+        finally:
+            knobs.runtime.launch_enter_hook = chain
+    assert not _triton.launch_hooks_set()
+
+
 # ------------------------------------------- the backward's element-wise pass (one kernel)
 def _cuda_formula(g, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> torch.Tensor:
     """ATen's CUDA ``batch_norm_backward_elemt_kernel_impl`` (``Normalization.cuh``) written
