@@ -2,7 +2,6 @@
 
     python bench/host_cost.py --json bench/results/host-cost-gpu.json --profile cbn
     python bench/host_cost.py --device cpu --iters 50 --rounds 3          # the CPU, for the tests
-    python bench/host_cost.py --compare-launch                            # CUDA: Triton's launch vs distnorm's
 
 On a GPU a layer whose step issues its kernels slower than the GPU runs them makes the
 whole training step wait for the host (``bench/profile_step.py`` shows when that happens).
@@ -15,16 +14,12 @@ the figure per step is the host's (on the CPU, the whole step at a tiny size). M
 (``--top``), which names where the host time goes (distnorm's code, torch's dispatch,
 Triton's launcher). On CUDA each layer's step also runs once under
 ``torch.cuda.set_sync_debug_mode("error")``: ``host_syncs`` names the first operation that
-waits for the GPU, or ``"none"``. ``--compare-launch`` (CUDA) adds the rows
-``cbn_triton_launch`` and ``popnorm_triton_launch``: those layers with their two Triton
-kernels launched by Triton's own ``JITFunction`` call instead of
-:class:`distnorm._triton.DirectLaunch`, timed in the same interleaved rounds.
+waits for the GPU, or ``"none"``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import io
 import pstats
@@ -37,8 +32,6 @@ from _common import machine, synchronize, write_json  # noqa: I001  (sets sys.pa
 from layers import layer_steps, make_layers
 
 LAYERS = ("batchnorm2d", "cbn", "popnorm", "syncbn")
-#: The rows of --compare-launch: a layer of LAYERS with Triton's own launch.
-OWN_LAUNCH = {"cbn_triton_launch": "cbn", "popnorm_triton_launch": "popnorm"}
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -51,24 +44,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", choices=LAYERS, action="append", default=[],
                         help="list this layer's costliest Python functions (repeatable)")
     parser.add_argument("--top", type=int, default=25, help="rows of each profile")
-    parser.add_argument("--compare-launch", action="store_true",
-                        help="CUDA: also time CBN and POP-Norm with Triton's own kernel launch")
     return parser
-
-
-@contextlib.contextmanager
-def tritons_own_launch():
-    """distnorm's Triton kernels launched by Triton's ``JITFunction`` call (what
-    :class:`distnorm._triton.DirectLaunch` saves) while inside."""
-    from distnorm import _triton
-
-    saved = dict(_triton.KERNELS)
-    _triton.KERNELS.update({name: kernel.kernel if isinstance(kernel, _triton.DirectLaunch) else kernel
-                            for name, kernel in saved.items()})
-    try:
-        yield
-    finally:
-        _triton.KERNELS.update(saved)
 
 
 def host_us(step, iters: int, device: torch.device) -> float:
@@ -117,33 +93,21 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     layers = {name: layer for name, layer in make_layers(args.shape[1], device).items() if name in LAYERS}
     steps, _, _ = layer_steps(layers, args.shape, channels_last=True, device=device)
-    if args.compare_launch:
-        if device.type != "cuda":
-            raise SystemExit("--compare-launch compares Triton's launches: it needs --device cuda")
-        steps.update({row: steps[layer] for row, layer in OWN_LAUNCH.items()})
-
-    def launch(name: str) -> contextlib.AbstractContextManager:
-        return tritons_own_launch() if name in OWN_LAUNCH else contextlib.nullcontext()
-
-    for name, step in steps.items():  # Triton's compiles, the kernel votes, lazy state
-        with launch(name):
-            for _ in range(5):
-                step()
+    for step in steps.values():  # Triton's compiles, the kernel votes, lazy state
+        for _ in range(5):
+            step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(args.rounds):
         order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
         for name in order:
-            with launch(name):
-                times[name].append(host_us(steps[name], args.iters, device))
+            times[name].append(host_us(steps[name], args.iters, device))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     base = medians["batchnorm2d"]
     payload = {"benchmark": "host_cost", "machine": machine(), "device": str(device),
-               "config": {"shape": args.shape, "channels_last": True, "iters": args.iters, "rounds": args.rounds,
-                          "compare_launch": args.compare_launch},
+               "config": {"shape": args.shape, "channels_last": True, "iters": args.iters, "rounds": args.rounds},
                "us_per_step": {k: round(v, 1) for k, v in medians.items()},
                "extra_us_vs_batchnorm2d": {k: round(v - base, 1) for k, v in medians.items()},
-               "host_syncs": {name: first_host_sync(step, device) for name, step in steps.items()
-                              if name not in OWN_LAUNCH},
+               "host_syncs": {name: first_host_sync(step, device) for name, step in steps.items()},
                "profiles": {}}
     print(f"host us per forward+backward, {tuple(args.shape)} channels_last on {device}: {payload['us_per_step']}")
     print(f"first host sync per step: {payload['host_syncs']}")

@@ -15,19 +15,12 @@ meets a supported case, so a machine without Triton never loads it.
 
 
 import contextlib
-from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-try:
-    from triton import knobs
-except ImportError:  # Triton before 3.4 keeps its launch hooks elsewhere: its own launch then
-    knobs = None
-
-__all__ = ["BLOCK", "KERNELS", "DirectLaunch", "backward_sums", "cbn_plan", "launch_hooks_set", "specialization"]
+__all__ = ["BLOCK", "KERNELS", "backward_sums", "cbn_plan"]
 
 #: Channels per block of the single program (a power of two; C > BLOCK loops).
 BLOCK = 1024
@@ -165,102 +158,8 @@ def _backward_sums_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, coef_ptr, sums_pt
     tl.store(count_ptr, tl.load(coef_ptr + 3 * C).to(tl.int32))
 
 
-def specialization(args: tuple) -> Optional[tuple]:
-    """What Triton's compiled kernel depends on among a launch's run-time arguments, or None
-    for an argument this does not cover (Triton's own launch then decides).
-
-    Triton compiles a kernel per *specialization* of its arguments (``JITFunction.run``,
-    ``native_specialize_impl``; ``BaseBackend.get_tensor_specialization`` and
-    ``get_int_specialization`` in ``triton/backends/compiler.py``): a tensor by its dtype and
-    whether its address is a multiple of 16 bytes, an integer by its type (i32, i64, u64),
-    whether it is 1 and whether it is a multiple of 16, a float or bool by its type. This key
-    separates at least every case Triton separates (two keys may share a compiled kernel,
-    never the reverse).
-    """
-    key = []
-    for arg in args:
-        kind = type(arg)  # the common kinds by identity first: this runs on every launch
-        if kind is float:
-            key.append(float)
-        elif kind is int:
-            key.append((int, arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31, -2**63 <= arg < 2**63))
-        elif isinstance(arg, torch.Tensor):
-            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif kind is bool:
-            key.append(bool)
-        else:
-            return None
-    return tuple(key)
-
-
-class DirectLaunch:
-    """``kernel[grid](*args, **constexprs)`` with Triton's per-call work done once.
-
-    Every call of a ``@triton.jit`` function binds and specializes each of its arguments to
-    find the compiled kernel (``JITFunction.run``), then calls that kernel's launcher. For
-    these kernels of 25 to 30 arguments, two launches a layer step, that search costs the
-    host more than the launch itself (``bench/host_cost.py --compare-launch``). So the first
-    call of each case goes through Triton, which compiles (or finds) the kernel and returns
-    it; this keeps it per (current device, :func:`specialization` of the arguments,
-    constexprs), and later calls of the same case call its launcher directly, with exactly
-    the arguments ``JITFunction.run`` passes it: the same compiled code, so the same bits.
-
-    Triton's own launch still runs a call this does not cover: launch hooks set (a profiler
-    such as Proton reads them), an argument :func:`specialization` does not know, constexprs
-    other than the kernel's trailing ones. Compile options read from Triton's knobs
-    (``TRITON_DEBUG``) are those of a case's first call.
-    """
-
-    def __init__(self, kernel: JITFunction) -> None:
-        self.kernel = kernel
-        self._compiled: dict[tuple, Any] = {}
-        self._driver: Any = None
-
-    def __getitem__(self, grid: tuple[int, ...]):
-        return lambda *args, **constexprs: self.launch(grid, args, constexprs)
-
-    def launch(self, grid: tuple[int, ...], args: tuple, constexprs: dict[str, Any]) -> None:
-        names = self.kernel.arg_names[len(args):]  # the trailing constexprs, by name
-        spec = specialization(args)
-        if (spec is None or launch_hooks_set() or len(constexprs) != len(names)
-                or any(name not in constexprs for name in names)):
-            self.kernel[grid](*args, **constexprs)
-            return
-        if self._driver is None:
-            self._driver = triton.runtime.driver.active
-        device = self._driver.get_current_device()
-        values = tuple(constexprs[name] for name in names)
-        key = (device, spec, values)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self.kernel[grid](*args, **constexprs)  # compiles (or finds) and launches
-            if hasattr(compiled, "result"):  # Triton's asynchronous compile mode: a future
-                compiled = compiled.result()
-            self._compiled[key] = compiled
-            return
-        grid_0, grid_1, grid_2 = (tuple(grid) + (1, 1))[:3]
-        compiled.run(grid_0, grid_1, grid_2, self._driver.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *values)
-
-
-def launch_hooks_set() -> bool:
-    """Whether a Triton launch hook is set (a profiler such as Proton sets one): Triton 3.6
-    keeps each as a ``HookChain``, empty when none is set; earlier releases as a callable or
-    None."""
-    return any(hook is not None and bool(getattr(hook, "calls", True))
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
-
-
-def _launched_directly(kernel: Any) -> Any:
-    """A compiled ``@triton.jit`` kernel as a :class:`DirectLaunch`; an interpreted one
-    (``TRITON_INTERPRET=1``, the tests' CPU runs), or any kernel of a Triton without
-    ``triton.knobs``, as it is."""
-    return DirectLaunch(kernel) if isinstance(kernel, JITFunction) and knobs is not None else kernel
-
-
-#: The kernels by name; tests swap in interpreted ones (``kernels=``).
-KERNELS = {"cbn_plan": _launched_directly(_cbn_plan_kernel),
-           "backward_sums": _launched_directly(_backward_sums_kernel)}
+#: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
+KERNELS = {"cbn_plan": _cbn_plan_kernel, "backward_sums": _backward_sums_kernel}
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
