@@ -24,9 +24,10 @@ output also goes to ``<out>/<name>.<part>.log`` as it runs, or into the bundle):
   EfficientNet-B0 (``--quick``: ResNet-50 only), 224 px, batch 256, bf16, channels_last,
   SGD; local BN against distnorm's SyncBatchNorm, CBN, POP-Norm and GN + BNP: step-time
   ratio, images/s, peak memory.
-* **host**: ``bench/host_cost.py --device cuda --profile cbn``: each layer's host time to
-  issue one training step, its first host sync (CUDA's sync debug mode), CBN's costliest
-  Python functions.
+* **host**: ``bench/host_cost.py --device cuda --profile cbn --replay``: each layer's host
+  time to issue one training step, its first host sync (CUDA's sync debug mode), how much of
+  it the step's operators take called alone (the rest: Python, autograd, the layer's logic),
+  CBN's costliest Python functions.
 * **profile**: ``bench/profile_step.py --device cuda --variants local_bn cbn --repeats 5``:
   where a ResNet-50 step's time goes, local BN against CBN: the step, the host's time to
   issue it, the GPU's kernels summed, the kernel count (not in ``--quick``).
@@ -119,13 +120,13 @@ PLANS = {
         budget_s=450,
         limits_s={"tests": 240, "step_eager": 150, "host": 60, "profile": 90, "layers": 90, "decode": 90,
                   "step_compile": 300},
-        args={"step_eager": ("--modes", "eager"), "host": ("--profile", "cbn"),
+        args={"step_eager": ("--modes", "eager"), "host": ("--profile", "cbn", "--replay"),
               "profile": ("--variants", "local_bn", "cbn", "--repeats", "5"),
               "step_compile": ("--modes", "compile", "--models", "resnet50", "--variants", "local_bn", "cbn")}),
     "quick": Plan(
         budget_s=210,
         limits_s={"tests": 150, "step_eager": 60, "host": 30, "layers": 45, "decode": 30},
-        args={"step_eager": ("--modes", "eager", "--models", "resnet50"), "host": ("--rounds", "3"),
+        args={"step_eager": ("--modes", "eager", "--models", "resnet50"), "host": ("--rounds", "3", "--replay"),
               "layers": ("--repeats", "5"),
               "decode": ("--repeats", "1")}),
 }
@@ -426,6 +427,11 @@ def _host_lines(host: dict) -> list[str]:
     base = r["us_per_step"]["batchnorm2d"]
     lines += [f"| {name} | {us:.0f} | {us / base:.2f} | {r['host_syncs'].get(name)} |"
               for name, us in r["us_per_step"].items()]
+    if r.get("replay"):
+        lines += ["", "Its operators called again alone (`--replay`), and the rest of the step (Python, autograd, "
+                  "the layer's host logic): " + "; ".join(
+                      f"{name} {rep['ops']} operators {rep['ops_us']:.0f} µs, rest {rep['rest_us']:.0f} µs"
+                      for name, rep in r["replay"].items())]
     for name, rows in r.get("profiles", {}).items():
         lines += ["", f"{name}: costliest Python functions (own µs per step, calls per step): " + "; ".join(
             f"`{row['function']}` {row['own_us_per_step']:.0f} ({row['calls_per_step']:g})" for row in rows[:8])]

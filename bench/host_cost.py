@@ -2,6 +2,7 @@
 
     python bench/host_cost.py --json bench/results/host-cost-gpu.json --profile cbn
     python bench/host_cost.py --device cpu --iters 50 --rounds 3          # the CPU, for the tests
+    python bench/host_cost.py --replay                                    # ops against the rest
 
 On a GPU a layer whose step issues its kernels slower than the GPU runs them makes the
 whole training step wait for the host (``bench/profile_step.py`` shows when that happens).
@@ -15,6 +16,15 @@ the figure per step is the host's (on the CPU, the whole step at a tiny size). M
 Triton's launcher). On CUDA each layer's step also runs once under
 ``torch.cuda.set_sync_debug_mode("error")``: ``host_syncs`` names the first operation that
 waits for the GPU, or ``"none"``.
+
+``--replay`` splits each layer's step into the operators it dispatches and the rest: it
+records the step's dispatcher-level operators once (a ``TorchDispatchMode``: the ATen
+calls and distnorm's own operators, each one call however many kernels it launches) and
+times them called again alone, with the same arguments, in the same interleaved rounds.
+``ops_us`` is that; ``rest_us = step - ops`` is what the step costs beyond its operators'
+own dispatch and launches (Python, the autograd engine, the layer's host logic); ``per_op_us``
+times each operator alone. Calling the recorded operators again updates the buffers they
+update (the statistics), which changes no figure here.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _common import machine, synchronize, write_json  # noqa: I001  (sets sys.path)
 from layers import layer_steps, make_layers
@@ -44,6 +55,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", choices=LAYERS, action="append", default=[],
                         help="list this layer's costliest Python functions (repeatable)")
     parser.add_argument("--top", type=int, default=25, help="rows of each profile")
+    parser.add_argument("--replay", action="store_true",
+                        help="also time each step's dispatched operators called again alone (ops_us, rest_us)")
     return parser
 
 
@@ -70,6 +83,34 @@ def first_host_sync(step, device: torch.device) -> str | None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return "none"
+
+
+class _Recorder(TorchDispatchMode):
+    """The dispatcher-level operators a step calls, with their arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def recorded_ops(step) -> list[tuple]:
+    """``(op, args, kwargs)`` of every operator one call of ``step`` dispatches, in order."""
+    with _Recorder() as recorder:
+        step()
+    return recorder.calls
+
+
+def replay(calls: list[tuple]):
+    """A function that calls ``calls`` again, in order."""
+    def run() -> None:
+        for func, args, kwargs in calls:
+            func(*args, **kwargs)
+    return run
 
 
 def python_profile(step, iters: int, top: int) -> list[dict]:
@@ -103,14 +144,35 @@ def main(argv=None) -> dict:
             times[name].append(host_us(steps[name], args.iters, device))
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     base = medians["batchnorm2d"]
+    replayed: dict[str, dict] = {}
+    if args.replay:  # the operators alone, timed in the same kind of interleaved rounds
+        calls = {name: recorded_ops(step) for name, step in steps.items()}
+        runs = {name: replay(c) for name, c in calls.items()}
+        per_op = {(name, i): replay([c]) for name, c in calls.items() for i, c in enumerate(c)}
+        ops_times: dict = {key: [] for key in [*runs, *per_op]}
+        for fn in [*runs.values(), *per_op.values()]:
+            fn()
+        for r in range(args.rounds):
+            for key, fn in [*runs.items(), *per_op.items()]:
+                ops_times[key].append(host_us(fn, args.iters, device))
+        for name, c in calls.items():
+            ops = statistics.median(ops_times[name])
+            replayed[name] = {"ops": len(c), "ops_us": round(ops, 1), "rest_us": round(medians[name] - ops, 1),
+                              "per_op_us": [[str(c[i][0]), round(statistics.median(ops_times[name, i]), 1)]
+                                            for i in range(len(c))]}
     payload = {"benchmark": "host_cost", "machine": machine(), "device": str(device),
-               "config": {"shape": args.shape, "channels_last": True, "iters": args.iters, "rounds": args.rounds},
+               "config": {"shape": args.shape, "channels_last": True, "iters": args.iters, "rounds": args.rounds,
+                          "replay": args.replay},
                "us_per_step": {k: round(v, 1) for k, v in medians.items()},
                "extra_us_vs_batchnorm2d": {k: round(v - base, 1) for k, v in medians.items()},
                "host_syncs": {name: first_host_sync(step, device) for name, step in steps.items()},
+               "replay": replayed,
                "profiles": {}}
     print(f"host us per forward+backward, {tuple(args.shape)} channels_last on {device}: {payload['us_per_step']}")
     print(f"first host sync per step: {payload['host_syncs']}")
+    for name, r in replayed.items():
+        print(f"{name}: its {r['ops']} operators alone {r['ops_us']} us, the rest {r['rest_us']} us; "
+              + ", ".join(f"{op} {us}" for op, us in r["per_op_us"]))
     for name in args.profile:
         rows = payload["profiles"][name] = python_profile(steps[name], args.iters, args.top)
         print(f"{name}: costliest Python functions (own us per step, calls per step)")

@@ -484,12 +484,26 @@ def test_profile_step_and_host_cost_name_what_runs(tmp_path, monkeypatch):
         ["| resnet20", "local_bn", str(steps["local_bn"]["wall_ms"])], ["| resnet20", "cbn", str(steps["cbn"]["wall_ms"])]]
 
     host_cost = _bench_module("host_cost", monkeypatch)
-    cost = host_cost.main(["--device", "cpu", "--iters", "3", "--rounds", "2", "--profile", "cbn", "--top", "80"])
+    cost = host_cost.main(["--device", "cpu", "--iters", "3", "--rounds", "2", "--profile", "cbn", "--top", "80",
+                           "--replay"])
     assert list(cost["us_per_step"]) == ["batchnorm2d", "cbn", "popnorm", "syncbn"]
     _measured({k: float(v) for k, v in cost["us_per_step"].items()})
     assert cost["extra_us_vs_batchnorm2d"]["batchnorm2d"] == 0.0
     assert cost["host_syncs"] == dict.fromkeys(cost["us_per_step"])  # the sync check is CUDA's
     assert any("distnorm/_functions.py" in row["function"] for row in cost["profiles"]["cbn"])
+    # --replay: the operators each step dispatched, each timed alone, and the step split in two
+    replayed = cost["replay"]
+    assert list(replayed) == list(cost["us_per_step"])
+    for name, r in replayed.items():
+        assert r["ops"] == len(r["per_op_us"]) > 0
+        _measured({"ops": float(r["ops_us"]), **{f"{i}": float(us) for i, (_, us) in enumerate(r["per_op_us"])}})
+        assert abs(r["ops_us"] + r["rest_us"] - cost["us_per_step"][name]) <= 0.2  # each rounded to 0.1
+    names = {name: [op for op, _ in r["per_op_us"]] for name, r in replayed.items()}
+    assert {"distnorm.cbn_plan.default", "distnorm.backward_sums.default"} <= set(names["cbn"])
+    assert "aten.native_batch_norm_backward.default" in names["batchnorm2d"]
+    assert not any(op.startswith("distnorm.") for op in names["batchnorm2d"])
+    lines = gpu_report._host_lines({"status": "ran", "command": "python bench/host_cost.py", "result": cost})
+    assert any(f"cbn {replayed['cbn']['ops']} operators" in line for line in lines)
 
 
 def test_model_choices_measures_what_it_names(tmp_path, monkeypatch):
