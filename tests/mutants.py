@@ -428,6 +428,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_resume_world_size.py::test_resume_on_another_world_size_when_allowed_both_ways",),
     ),
     Mutant(
+        "host-cost-replay-skips-operators",
+        "bench/host_cost.py --replay times a step's dispatched operators called again, every one of them",
+        "bench/host_cost.py",
+        "        for func, args, kwargs in calls:\n",
+        "        for func, args, kwargs in calls[:1]:\n",
+        ("tests/test_bench.py::test_profile_step_and_host_cost_name_what_runs",),
+    ),
+    Mutant(
         "gpu-report-runs-benchmarks-without-cuda",
         "make test-gpu runs on a machine without CUDA: the GPU benchmarks skipped with the reason, the report written",
         "bench/gpu_report.py",

@@ -504,6 +504,11 @@ def test_profile_step_and_host_cost_name_what_runs(tmp_path, monkeypatch):
     assert not any(op.startswith("distnorm.") for op in names["batchnorm2d"])
     lines = gpu_report._host_lines({"status": "ran", "command": "python bench/host_cost.py", "result": cost})
     assert any(f"cbn {replayed['cbn']['ops']} operators" in line for line in lines)
+    # what --replay times is the recorded operators themselves, all of them, in their order
+    x = torch.randn(4, 3, 2, 2, requires_grad=True)
+    calls = host_cost.recorded_ops(lambda: torch.nn.functional.batch_norm(x, None, None, training=True).sum().backward())
+    again = host_cost.recorded_ops(host_cost.replay(calls))
+    assert [str(op) for op, _, _ in again] == [str(op) for op, _, _ in calls] and len(calls) > 3
 
 
 def test_model_choices_measures_what_it_names(tmp_path, monkeypatch):
