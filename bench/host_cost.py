@@ -137,34 +137,27 @@ def main(argv=None) -> dict:
     for step in steps.values():  # Triton's compiles, the kernel votes, lazy state
         for _ in range(5):
             step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    # --replay: each step's operators, all together and one by one, timed in the same rounds
+    calls = {name: recorded_ops(step) for name, step in steps.items()} if args.replay else {}
+    timed = dict(steps)
+    timed.update({("ops", name): replay(ops) for name, ops in calls.items()})
+    timed.update({("op", name, i): replay([op]) for name, ops in calls.items() for i, op in enumerate(ops)})
+    times: dict = {key: [] for key in timed}
     for r in range(args.rounds):
-        order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
-        for name in order:
-            times[name].append(host_us(steps[name], args.iters, device))
-    medians = {name: statistics.median(ts) for name, ts in times.items()}
+        order = list(timed)[r % len(timed):] + list(timed)[:r % len(timed)]
+        for key in order:
+            times[key].append(host_us(timed[key], args.iters, device))
+    medians = {key: statistics.median(ts) for key, ts in times.items()}
     base = medians["batchnorm2d"]
-    replayed: dict[str, dict] = {}
-    if args.replay:  # the operators alone, timed in the same kind of interleaved rounds
-        calls = {name: recorded_ops(step) for name, step in steps.items()}
-        runs = {name: replay(c) for name, c in calls.items()}
-        per_op = {(name, i): replay([c]) for name, c in calls.items() for i, c in enumerate(c)}
-        ops_times: dict = {key: [] for key in [*runs, *per_op]}
-        for fn in [*runs.values(), *per_op.values()]:
-            fn()
-        for r in range(args.rounds):
-            for key, fn in [*runs.items(), *per_op.items()]:
-                ops_times[key].append(host_us(fn, args.iters, device))
-        for name, c in calls.items():
-            ops = statistics.median(ops_times[name])
-            replayed[name] = {"ops": len(c), "ops_us": round(ops, 1), "rest_us": round(medians[name] - ops, 1),
-                              "per_op_us": [[str(c[i][0]), round(statistics.median(ops_times[name, i]), 1)]
-                                            for i in range(len(c))]}
+    replayed = {name: {"ops": len(ops), "ops_us": round(medians["ops", name], 1),
+                       "rest_us": round(medians[name] - medians["ops", name], 1),
+                       "per_op_us": [[str(op[0]), round(medians["op", name, i], 1)] for i, op in enumerate(ops)]}
+                for name, ops in calls.items()}
     payload = {"benchmark": "host_cost", "machine": machine(), "device": str(device),
                "config": {"shape": args.shape, "channels_last": True, "iters": args.iters, "rounds": args.rounds,
                           "replay": args.replay},
-               "us_per_step": {k: round(v, 1) for k, v in medians.items()},
-               "extra_us_vs_batchnorm2d": {k: round(v - base, 1) for k, v in medians.items()},
+               "us_per_step": {k: round(medians[k], 1) for k in steps},
+               "extra_us_vs_batchnorm2d": {k: round(medians[k] - base, 1) for k in steps},
                "host_syncs": {name: first_host_sync(step, device) for name, step in steps.items()},
                "replay": replayed,
                "profiles": {}}
