@@ -7,6 +7,12 @@ with PyTorch's local BatchNorm), times one SGD training step (forward, backward,
 step) with and without BNP on the same batch, interleaved, median of repeats; and measures
 the memory of training (see :func:`_common.training_memory_bytes`).
 
+On the CPU, in the same interleaved rounds, a third step: BNP with ``DISTNORM_CPU_KERNEL=0``
+(``bnp_aten``: ATen's calls where distnorm's C kernels would run — BNP's statistics and its
+gradient transform, :mod:`distnorm._cpu_kernels`); and the gradient transform alone over the
+model's preconditioned weights (``transform_ms``: the C kernel ``distnorm::bnp_precondition``
+against ATen's calls, interleaved, median).
+
 ``ratios.step_bnp_vs_plain`` / ``ratios.mem_bnp_vs_plain`` refer to ResNet-18.
 """
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 
 import torch
@@ -45,20 +52,51 @@ def build(name: str) -> nn.Module | None:
 
 
 class Step:
-    """One training step of a model copy with its own optimizer."""
+    """One training step of a model copy with its own optimizer; ``cpu_kernel=False``: with
+    ``DISTNORM_CPU_KERNEL=0`` set during the step (read at each call by a layer without a
+    process group, as here)."""
 
-    def __init__(self, model: nn.Module, use_bnp: bool, x: torch.Tensor, y: torch.Tensor):
+    def __init__(self, model: nn.Module, use_bnp: bool, x: torch.Tensor, y: torch.Tensor, cpu_kernel: bool = True):
         self.model = model.to(x.device).train()
         if use_bnp:
             distnorm.bnp.attach(self.model)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
         self.x, self.y = x, y
         self.loss = nn.CrossEntropyLoss()
+        self.cpu_kernel = cpu_kernel
 
     def __call__(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        self.loss(self.model(self.x), self.y).backward()
-        self.opt.step()
+        before = os.environ.get("DISTNORM_CPU_KERNEL")
+        if not self.cpu_kernel:
+            os.environ["DISTNORM_CPU_KERNEL"] = "0"
+        try:
+            self.opt.zero_grad(set_to_none=True)
+            self.loss(self.model(self.x), self.y).backward()
+            self.opt.step()
+        finally:
+            if before is None:
+                os.environ.pop("DISTNORM_CPU_KERNEL", None)
+            else:
+                os.environ["DISTNORM_CPU_KERNEL"] = before
+
+
+def transform_ms(model: nn.Module, repeats: int) -> dict[str, float]:
+    """Median milliseconds of BNP's gradient transform over every weight ``attach`` would
+    precondition in ``model`` (random gradients of their shapes, a bias each), computed by the
+    C kernel and by ATen's calls, in interleaved rounds."""
+    from distnorm._bnp_functions import bnp_precondition
+
+    torch.manual_seed(0)
+    args = []
+    for layer in distnorm.bnp.attach(copy.deepcopy(model)).layers.values():
+        shape, channels, groups = layer.weight.shape, layer.bnp_mean.numel(), getattr(layer, "groups", 1)
+        args.append((torch.randn(shape), torch.randn(shape[0]), torch.randn(channels), torch.rand(channels) + 0.5,
+                     3.0, groups))
+    kernel = torch.ops.distnorm.bnp_precondition
+    ways = {"c_kernel": lambda: [kernel(*a) for a in args],
+            "aten": lambda: [bnp_precondition(*a[:5], groups=a[5]) for a in args]}
+    times = interleaved_times(ways, repeats, torch.device("cpu"))
+    return {way: round(statistics.median(t) * 1e3, 3) for way, t in times.items()}
 
 
 def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> dict | None:
@@ -70,11 +108,13 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     steps = {"plain": Step(copy.deepcopy(model), False, x, y), "bnp": Step(copy.deepcopy(model), True, x, y)}
+    if device.type == "cpu":
+        steps["bnp_aten"] = Step(copy.deepcopy(model), True, x, y, cpu_kernel=False)
     times = interleaved_times(steps, repeats, device, warmup=1)
     medians = {k: statistics.median(v) for k, v in times.items()}
     mem = {variant: training_memory_bytes(step.model, step.opt, lambda s=step: s.loss(s.model(s.x), s.y), device)
-           for variant, step in steps.items()}
-    return {
+           for variant, step in steps.items() if variant != "bnp_aten"}
+    entry = {
         "input": [batch, 3, size, size],
         "median_step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
         "step_bnp_vs_plain": round(medians["bnp"] / medians["plain"], 4),
@@ -84,6 +124,11 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
         "mem_bnp_vs_plain": round(mem["bnp"] / mem["plain"], 4),
         "bnp_layers": len(distnorm.bnp.attach(copy.deepcopy(model)).layers),
     }
+    if device.type == "cpu":
+        entry["step_bnp_aten_vs_plain"] = round(medians["bnp_aten"] / medians["plain"], 4)
+        entry["step_bnp_aten_vs_plain_per_round_quartiles"] = ratio_spread(times, "plain")["bnp_aten"]
+        entry["transform_ms"] = transform_ms(model, max(repeats, 5))
+    return entry
 
 
 def main(argv=None) -> dict:
@@ -105,10 +150,15 @@ def main(argv=None) -> dict:
         print(f"{name} {tuple(entry['input'])}: step ms {entry['median_step_ms']} -> "
               f"{entry['step_bnp_vs_plain']}x; memory {entry['memory_bytes']} -> "
               f"{entry['mem_bnp_vs_plain']}x ({entry['bnp_layers']} BNP layers)")
+        if "transform_ms" in entry:
+            print(f"  with DISTNORM_CPU_KERNEL=0: {entry['step_bnp_aten_vs_plain']}x; the gradient transform alone, "
+                  f"ms: {entry['transform_ms']}")
     ratios = {
         "step_bnp_vs_plain": results["resnet18"]["step_bnp_vs_plain"],
         "mem_bnp_vs_plain": results["resnet18"]["mem_bnp_vs_plain"],
     }
+    if "step_bnp_aten_vs_plain" in results["resnet18"]:
+        ratios["step_bnp_aten_vs_plain"] = results["resnet18"]["step_bnp_aten_vs_plain"]
     if "resnet20" in results:
         ratios["step_bnp_vs_plain_resnet20"] = results["resnet20"]["step_bnp_vs_plain"]
         ratios["mem_bnp_vs_plain_resnet20"] = results["resnet20"]["mem_bnp_vs_plain"]

@@ -143,18 +143,25 @@ class BNPGradientFunction(torch.autograd.Function):
 
     The map is linear and built from rank-consistent statistics, so applying it on each
     rank before the data-parallel average (as here) equals applying it after.
+
+    ``cpu_kernel``: compute the map with the CPU kernel ``distnorm::bnp_precondition`` (one
+    pass over the weight gradient; :mod:`distnorm._cpu_kernels`) for a dense float32 / float64
+    gradient — the layer's group's agreement (:func:`distnorm._fused.cpu_kernel_decision`),
+    passed by eager forwards only: a compiled backward fuses :func:`bnp_precondition`'s calls
+    itself.
     """
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
-                var_t: torch.Tensor, q2: Any, groups: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                var_t: torch.Tensor, q2: Any, groups: int, cpu_kernel: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(q2, torch.Tensor):
             ctx.save_for_backward(mean, var_t, q2)
             ctx.holder = None
         else:
             ctx.save_for_backward(mean, var_t)
             ctx.holder = q2
-        ctx.groups = groups
+        ctx.groups, ctx.cpu_kernel = groups, cpu_kernel
         return weight.view_as(weight), (bias.view_as(bias) if bias is not None else None)
 
     @staticmethod
@@ -163,11 +170,17 @@ class BNPGradientFunction(torch.autograd.Function):
         mean, var_t, *q2 = ctx.saved_tensors
         q2 = q2[0] if q2 else ctx.holder.q2
         if grad_weight is None:
-            return None, grad_bias, None, None, None, None
+            return None, grad_bias, None, None, None, None, None
         if ctx.needs_input_grad[1] and grad_bias is None:
             grad_bias = torch.zeros(grad_weight.shape[0], dtype=grad_weight.dtype, device=grad_weight.device)
+        if ctx.cpu_kernel and grad_weight.dtype in (torch.float32, torch.float64) and grad_weight.is_contiguous():
+            # One pass instead of five (distnorm._cpu_kernels; the operator is declared by
+            # distnorm._functions, which imports this module). A CPU q2 tensor is read without a sync.
+            new_weight, new_bias = torch.ops.distnorm.bnp_precondition(grad_weight, grad_bias, mean, var_t, float(q2),
+                                                                       ctx.groups)
+            return new_weight, (new_bias if grad_bias is not None else None), None, None, None, None, None
         new_weight, new_bias = bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=ctx.groups)
-        return new_weight, new_bias, None, None, None, None
+        return new_weight, new_bias, None, None, None, None, None
 
 
 def bnp_precondition(

@@ -1,8 +1,9 @@
 """The CPU kernels of distnorm: the backward's element-wise pass (ATen's CUDA
 ``batch_norm_backward_elemt``, which the CPU does not have), the forward's statistics
-(ATen's own arithmetic, in fewer cycles), and CBN's per-channel steps (``cbn_plan``,
+(ATen's own arithmetic, in fewer cycles), CBN's per-channel steps (``cbn_plan``,
 ``backward_sums``: the Triton kernels' programs, one loop each instead
-of some thirty ATen calls on C-sized vectors).
+of some thirty ATen calls on C-sized vectors), and BNP's gradient transform
+(``bnp_precondition``: one pass over the weight gradient instead of ATen's five).
 
 A synchronized layer's input gradient is, per channel ``c`` (module plan of
 :mod:`distnorm._functions`)::
@@ -70,8 +71,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["SOURCE", "backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats", "cbn_plan",
-           "cpu_kernel_enabled", "library", "memory_format"]
+__all__ = ["SOURCE", "backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats", "bnp_precondition",
+           "cbn_plan", "cpu_kernel_enabled", "library", "memory_format"]
 
 SOURCE = r"""
 #include <math.h>
@@ -258,11 +259,53 @@ void backward_sums_f32(const float* s1, const float* t, const float* beta_coef, 
     }
     count[0] = (int32_t)coef[3 * C];
 }
+
+/* BNP's gradient transform (distnorm._bnp_functions.bnp_precondition) in one pass over the weight
+   gradient instead of ATen's five: per output channel d, input channel p of its group, kernel
+   position k (row d of the dense (C_out, per_group * kernel) gradient),
+       new_w[d, p, k] = (gw[d, p, k] - mu[p] * gb[d]) / (vt[p] * q2)
+       new_b[d]       = gb[d] / q2 - sum_{p, k} mu[p] * new_w[d, p, k]
+   (without a bias only new_w = gw / (vt[p] * q2)). table: 2 * C_in * kernel scratch values, mu and
+   vt * q2 repeated per kernel position, so that each row is one vectorizable loop. The bias's sum is
+   taken in double, LANES partial sums folded in a fixed order: the same bits at every vector width
+   and thread count (one row per iteration of the parallel loop). */
+#define PRECONDITION(NAME, T)                                                                         \
+CLONES void NAME(const T* gw, const T* gb, const T* mu, const T* vt, T q2, T* out_w, T* out_b, T* table,   \
+                 int64_t out_ch, int64_t in_ch, int64_t per_group, int64_t kernel, int64_t groups,         \
+                 int threads) {                                                                        \
+    const int64_t row_len = per_group * kernel, rows_per_group = out_ch / groups, size = in_ch * kernel; \
+    T* mu_k = table; T* den_k = table + size;                                                         \
+    for (int64_t c = 0; c < in_ch; ++c) {                                                             \
+        const T den = vt[c] * q2;                                                                     \
+        for (int64_t k = 0; k < kernel; ++k) { mu_k[c * kernel + k] = mu[c]; den_k[c * kernel + k] = den; } \
+    }                                                                                                 \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                 \
+    for (int64_t d = 0; d < out_ch; ++d) {                                                            \
+        const T* m = mu_k + (d / rows_per_group) * row_len;                                           \
+        const T* den = den_k + (d / rows_per_group) * row_len;                                        \
+        const T* src = gw + d * row_len; T* dst = out_w + d * row_len;                                \
+        if (!gb) {                                                                                    \
+            for (int64_t j = 0; j < row_len; ++j) dst[j] = src[j] / den[j];                           \
+            continue;                                                                                 \
+        }                                                                                             \
+        const T g = gb[d];                                                                            \
+        for (int64_t j = 0; j < row_len; ++j) dst[j] = (src[j] - m[j] * g) / den[j];                  \
+        double acc[LANES] = {0};                                                                      \
+        const int64_t body = row_len - row_len % LANES;                                               \
+        for (int64_t i = 0; i < body; i += LANES)                                                     \
+            for (int l = 0; l < LANES; ++l) acc[l] += (double)m[i + l] * (double)dst[i + l];           \
+        for (int64_t i = body; i < row_len; ++i) acc[i - body] += (double)m[i] * (double)dst[i];      \
+        out_b[d] = (T)((double)(g / q2) - fold(acc));                                                 \
+    }                                                                                                 \
+}
+PRECONDITION(bnp_precondition_f32, float)
+PRECONDITION(bnp_precondition_f64, double)
 """
 
 _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 _FUNCTIONS = {torch.float32: "elemt_f32", torch.float64: "elemt_f64", torch.bfloat16: "elemt_bf16",
               torch.float16: "elemt_f16"}
+_PRECONDITION = {torch.float32: "bnp_precondition_f32", torch.float64: "bnp_precondition_f64"}
 
 
 def cpu_kernel_enabled() -> bool:
@@ -312,7 +355,7 @@ def library() -> ctypes.CDLL:
             if not target.exists():
                 _build(compiler, target)
     lib = ctypes.CDLL(str(target))
-    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32", "backward_sums_f32"]:
+    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32", "backward_sums_f32", *_PRECONDITION.values()]:
         getattr(lib, name).restype = None
     return lib
 
@@ -414,6 +457,31 @@ def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, 
     library().backward_sums_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (*dense, sums, grad_weight, grad_bias, w, count)),
                                 ctypes.c_int64(channels), ctypes.c_float(inv_rho))
     return sums, grad_weight, grad_bias, w, count
+
+
+def bnp_precondition(grad_weight: Tensor, grad_bias: Tensor | None, mean: Tensor, var_t: Tensor, q2: float,
+                     groups: int) -> tuple[Tensor, Tensor]:
+    """The CPU kernel of ``distnorm::bnp_precondition``: BNP's gradient transform
+    (:func:`distnorm._bnp_functions.bnp_precondition`, its arguments) for a float32 or float64
+    gradient, in one pass that reads ``grad_weight`` and writes its transform, where ATen's
+    calls make five weight-sized passes. Without a bias the second result is empty."""
+    dtype = grad_weight.dtype
+    out_channels, in_channels = grad_weight.shape[0], mean.numel()
+    kernel = math.prod(grad_weight.shape[2:])
+    # Held by a name for the call (cbn_plan: a temporary copy would be freed before the kernel reads it).
+    gw = grad_weight.contiguous()
+    gb = grad_bias.to(dtype).contiguous() if grad_bias is not None else None
+    mu, vt = mean.to(dtype).contiguous(), var_t.to(dtype).contiguous()
+    out_w = torch.empty_like(gw)
+    out_b = torch.empty(out_channels if gb is not None else 0, dtype=dtype)
+    table = torch.empty(2 * in_channels * kernel, dtype=dtype)
+    scalar = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
+    pointer = lambda t: ctypes.c_void_p(t.data_ptr() if t is not None else None)  # noqa: E731
+    getattr(library(), _PRECONDITION[dtype])(
+        pointer(gw), pointer(gb), pointer(mu), pointer(vt), scalar(q2), pointer(out_w), pointer(out_b), pointer(table),
+        ctypes.c_int64(out_channels), ctypes.c_int64(in_channels), ctypes.c_int64(gw.shape[1]), ctypes.c_int64(kernel),
+        ctypes.c_int64(groups), ctypes.c_int(torch.get_num_threads()))
+    return out_w, out_b
 
 
 def memory_format(t: Tensor) -> torch.memory_format:

@@ -70,6 +70,8 @@ Operators. Every operator of distnorm is declared here, through one
   into a graph.
 * ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
   the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
+* ``distnorm::bnp_precondition``: BNP's gradient transform on the CPU in one pass
+  (:mod:`distnorm._cpu_kernels`; the maths: :func:`distnorm._bnp_functions.bnp_precondition`).
 * ``distnorm::cbn_plan``, ``backward_sums``: the per-channel steps, one
   operator each in every mode (kernels: :mod:`distnorm._fused`), so a GPU launches one
   kernel where ATen would launch some thirty, and a CPU runs one C loop
@@ -139,6 +141,7 @@ from distnorm import _bnp_functions, _collectives, _frames, _fused  # noqa: E402
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt
 from distnorm._cpu_kernels import batch_norm_update_stats as _cpu_update_stats
+from distnorm._cpu_kernels import bnp_precondition as _cpu_bnp_precondition
 from distnorm._cpu_kernels import memory_format as _memory_format
 from distnorm._fused import grad_coef_of, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
@@ -817,6 +820,19 @@ _LIB.define("batch_norm_update_stats(Tensor input, Tensor? running_mean, Tensor?
             "-> (Tensor, Tensor)")
 _LIB.impl("batch_norm_update_stats", _cpu_update_stats, "CPU")
 torch.library.register_fake("distnorm::batch_norm_update_stats", _batch_norm_update_stats_fake, lib=_LIB)
+
+
+# BNP's gradient transform on the CPU in one pass (kernel: distnorm._cpu_kernels), called by
+# distnorm._bnp_functions.BNPGradientFunction in eager mode where the layer's group agreed on the C
+# kernels; every other device, and compiled code (which fuses them itself), take ATen's calls.
+def _bnp_precondition_fake(grad_weight: Tensor, grad_bias: Optional[Tensor], *_: Any) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(grad_weight), grad_weight.new_empty(grad_weight.shape[0] if grad_bias is not None else 0)
+
+
+_LIB.define("bnp_precondition(Tensor grad_weight, Tensor? grad_bias, Tensor mean, Tensor var_t, float q2, int groups) "
+            "-> (Tensor, Tensor)")
+_LIB.impl("bnp_precondition", _cpu_bnp_precondition, "CPU")
+torch.library.register_fake("distnorm::bnp_precondition", _bnp_precondition_fake, lib=_LIB)
 
 
 # A layer's statistics step and backward, run by the compiled graphs.

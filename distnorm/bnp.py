@@ -55,7 +55,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from distnorm import _functions
+from distnorm import _functions, _fused
 from distnorm._bnp_functions import BNPGradientFunction, BNPLayerState, bnp_q2
 from distnorm._collectives import ProcessGroup
 from distnorm._recompute import StashedPlan
@@ -119,8 +119,12 @@ def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     state: BNPLayerState = module.__dict__["_distnorm_bnp"]
     if state.aliases is None:
         mean, var_t, q2 = state.active
-        state.aliases = BNPGradientFunction.apply(_own(module, "weight"), _own(module, "bias"), mean, var_t, q2,
-                                                  state.groups)
+        weight = _own(module, "weight")
+        # The C kernel where the group agreed on it (after this step's statistics, which carried
+        # the vote at its first step); a compiled backward fuses ATen's calls itself.
+        cpu_kernel = not torch.compiler.is_compiling() and _fused.cpu_kernel_decision(state.group(), weight.device)
+        state.aliases = BNPGradientFunction.apply(weight, _own(module, "bias"), mean, var_t, q2, state.groups,
+                                                  cpu_kernel)
     return state.aliases
 
 

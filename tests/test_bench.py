@@ -101,6 +101,11 @@ def test_bench_bnp_quick(tmp_path):
     assert result["models"]["resnet18"]["bnp_layers"] == 21
     assert result["models"]["resnet20"]["bnp_layers"] == 20
     assert "step_bnp_vs_plain_resnet20" in result["ratios"]
+    # on the CPU: the step with ATen's calls instead of the C kernels, and the transform alone both ways
+    assert "step_bnp_aten_vs_plain" in result["ratios"]
+    for entry in result["models"].values():
+        assert set(entry["median_step_ms"]) == {"plain", "bnp", "bnp_aten"}
+        assert set(entry["transform_ms"]) == {"c_kernel", "aten"} and min(entry["transform_ms"].values()) > 0
 
 
 @pytest.mark.timeout(600)

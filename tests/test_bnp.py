@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distnorm
+from tests.dispatch import OpCounter
 from tests.distributed import run_distributed
 
 RHO = 0.5  # a small momentum makes the running moments move visibly in two steps
@@ -72,9 +73,13 @@ LAYERS = {
 }
 
 
+@pytest.mark.parametrize("kernel", ["c", "aten"])
 @pytest.mark.parametrize("add_bias", [True, False])
 @pytest.mark.parametrize("kind", list(LAYERS))
-def test_transform_equals_explicit_matrices(kind, add_bias):
+def test_transform_equals_explicit_matrices(kind, add_bias, kernel, monkeypatch):
+    """Both ways the CPU computes the transform: the C kernel (``distnorm::bnp_precondition``,
+    the default) and ATen's calls (``DISTNORM_CPU_KERNEL=0``)."""
+    monkeypatch.setenv("DISTNORM_CPU_KERNEL", "1" if kernel == "c" else "0")
     make, shape = LAYERS[kind]
     plain = make().double()
     layer = copy.deepcopy(plain)
@@ -107,6 +112,52 @@ def test_transform_equals_explicit_matrices(kind, add_bias):
             torch.testing.assert_close(layer.bias.grad, want_b, atol=1e-10, rtol=1e-10)
     if kind.endswith("no_bias") or kind == "depthwise":
         assert (layer.bias is not None) == add_bias
+
+
+# (weight gradient shape, groups, bias, the weight-sized passes of ATen's calls): a dense row
+# longer than the kernel's 32 partial sums (ATen: addcmul, div_, then mu times the whole row),
+# 3 x 3 convolutions (one group, two, depthwise; ATen: addcmul, div_, the kernel's sum), and
+# no bias (one division either way).
+PRECONDITIONED = [((6, 40), 1, True, 7.0), ((16, 8, 3, 3), 1, True, 5.0), ((16, 4, 3, 3), 2, True, 5.0),
+                  ((8, 1, 3, 3), 8, True, 5.0), ((16, 8, 3, 3), 1, False, 2.0)]
+
+
+@pytest.mark.parametrize("shape,groups,bias,aten_passes", PRECONDITIONED)
+def test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient(shape, groups, bias, aten_passes):
+    """BNP's backward on the CPU, float32: the C kernel (``distnorm::bnp_precondition``) reads
+    the weight gradient once and writes its transform once — 2 weight-sized passes, where
+    ATen's calls (``DISTNORM_CPU_KERNEL=0``) make 5 to 7 — and both equal the explicit float64
+    matrices to float32 rounding; the kernel's bits do not depend on the thread count. Bugs
+    caught: the kernel left unused (5 passes), a group's rows reading group 0's statistics."""
+    from distnorm._bnp_functions import BNPGradientFunction
+
+    torch.manual_seed(0)
+    in_channels = shape[1] * groups
+    weight = torch.randn(shape, requires_grad=True)
+    bias_param = torch.randn(shape[0], requires_grad=True) if bias else None
+    mean, var_t, q2 = torch.randn(in_channels), torch.rand(in_channels) + 0.5, torch.tensor(3.0)
+    grad_w, grad_b = torch.randn(shape), torch.randn(shape[0]) if bias else None
+    want_w, want_b = _explicit_transform(grad_w.double(), grad_b.double() if bias else None, mean.double(),
+                                         var_t.double(), 3.0, groups)
+    results, passes = {}, {}
+    for cpu_kernel in (True, False):
+        aliases = BNPGradientFunction.apply(weight, bias_param, mean, var_t, q2, groups, cpu_kernel)
+        inputs = [weight] + ([bias_param] if bias else [])
+        with OpCounter(activation=weight) as counter:
+            results[cpu_kernel] = torch.autograd.grad(aliases[:len(inputs)], inputs, [grad_w] + ([grad_b] if bias else []))
+        passes[cpu_kernel] = counter.passes
+        torch.testing.assert_close(results[cpu_kernel][0].double(), want_w, rtol=1e-5, atol=1e-6)
+        if bias:
+            torch.testing.assert_close(results[cpu_kernel][1].double(), want_b, rtol=1e-5, atol=1e-5)
+    assert passes == {True: 2.0, False: aten_passes}, passes
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        aliases = BNPGradientFunction.apply(weight, bias_param, mean, var_t, q2, groups, True)
+        one_thread = torch.autograd.grad(aliases[:len(inputs)], inputs, [grad_w] + ([grad_b] if bias else []))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one_thread, results[True]))
 
 
 def test_dense_single_sample_uses_running_mean_for_variance():
