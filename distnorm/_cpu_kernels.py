@@ -39,8 +39,8 @@ Every loop fixes its order of operations in the source, so the versions compiled
 vector width (``target_clones``: AVX-512, AVX2, baseline) give the same bits.
 
 Build: ``$CC`` (default ``cc``) with ``-O3 -fopenmp``, into ``$DISTNORM_CACHE_DIR`` (default
-``~/.cache/distnorm``), named by a hash of the source, the flags and the compiler: about one
-second, once; a process then loads it with :mod:`ctypes` (about a millisecond). OpenMP's
+``~/.cache/distnorm``), named by a hash of the source, the flags and the compiler: a second or
+two, once; a process then loads it with :mod:`ctypes` (about a millisecond). OpenMP's
 runtime is the one torch already loaded (``libgomp.so.1``), with ``torch.get_num_threads()``
 threads.
 
