@@ -1189,6 +1189,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_bnp.py::test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient",),
     ),
     Mutant(
+        "bnp-kernel-shapes-unchecked",
+        "BNP's C kernel refuses arguments that do not match before it reads them",
+        "distnorm/_cpu_kernels.py",
+        "    if (grad_weight.dim() < 2 or groups < 1 or out_channels % groups or in_channels != groups * grad_weight.shape[1]\n",
+        "    if False and (grad_weight.dim() < 2 or groups < 1 or out_channels % groups or in_channels != groups * grad_weight.shape[1]\n",
+        ("tests/test_bnp.py::test_the_cpu_kernel_refuses_what_does_not_match",),
+    ),
+    Mutant(
         "cpu-kernel-temporary-pointers",
         "the CPU's C kernels read strided arguments as the composite does",
         "distnorm/_cpu_kernels.py",

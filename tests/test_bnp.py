@@ -160,6 +160,22 @@ def test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient(shape
     assert all(torch.equal(a, b) for a, b in zip(one_thread, results[True]))
 
 
+def test_the_cpu_kernel_refuses_what_does_not_match():
+    """The C kernel reads raw pointers, so a mismatch raises before it runs, as ATen's calls
+    raise (a guard for the operator's direct callers; mutant: bnp-kernel-shapes-unchecked)."""
+    kernel = torch.ops.distnorm.bnp_precondition
+    grad_w, grad_b, mean, var_t = torch.randn(6, 4, 3, 3), torch.randn(6), torch.randn(4), torch.rand(4) + 0.5
+    kernel(grad_w, grad_b, mean, var_t, 2.0, 1)  # matches
+    for bad in [(grad_w, grad_b, mean, var_t, 2.0, 2),  # 2 groups of 4 channels: 8 moments needed
+                (grad_w, grad_b, torch.randn(5), torch.rand(5), 2.0, 1),
+                (grad_w, torch.randn(5), mean, var_t, 2.0, 1),
+                (grad_w, grad_b, mean, torch.rand(3), 2.0, 1)]:
+        with pytest.raises(ValueError, match="do not match"):
+            kernel(*bad)
+    with pytest.raises(TypeError, match="float32 or float64"):
+        kernel(grad_w.half(), grad_b, mean, var_t, 2.0, 1)
+
+
 def test_dense_single_sample_uses_running_mean_for_variance():
     layer = nn.Linear(3, 2).double()
     distnorm.bnp.attach(layer, decay=RHO)
