@@ -1173,6 +1173,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_bnp.py::test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient",),
     ),
     Mutant(
+        "bnp-kernel-only-without-a-group",
+        "BNP's backward on the CPU runs the C kernel once the layer's group agreed on it",
+        "distnorm/bnp.py",
+        "        cpu_kernel = not torch.compiler.is_compiling() and _fused.cpu_kernel_decision(state.group(), weight.device)\n",
+        "        cpu_kernel = not torch.compiler.is_compiling() and state.group() is None and _fused.cpu_kernel_decision(None, weight.device)\n",
+        ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
+    ),
+    Mutant(
         "bnp-kernel-group-rows",
         "BNP's C kernel computes the transform of the explicit matrices (grouped convolutions)",
         "distnorm/_cpu_kernels.py",

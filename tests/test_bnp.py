@@ -321,6 +321,11 @@ def _ddp_worker(rank, world, steps=3):
     for p_ref, p in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(p, p_ref, atol=1e-6, rtol=1e-5)
     assert distnorm.check_consistency(ddp) == 8
+    # The group agreed on the C kernels at its first step: every preconditioned layer's
+    # backward on this rank runs BNP's C kernel (its 4 layers: 3 convolutions, 1 linear).
+    with OpCounter() as counter:
+        loss_fn(ddp(x_all[lo:hi]), y_all[lo:hi]).backward()
+    assert counter.ops.count("distnorm.bnp_precondition.default") == 4, counter.table()
     return {name: b.clone() for name, b in model.named_buffers()}
 
 
