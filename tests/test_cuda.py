@@ -180,6 +180,35 @@ def test_empty_rank_on_one_device(tmp_path, device, splits):
     _assert_bit_identical(out)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_gpu])])
+def test_bnp_on_the_device_matches_cpu_float64(device, monkeypatch):
+    """BNP in float32 on ``device`` against the same model in float64 on the CPU computed by
+    ATen's calls (``DISTNORM_CPU_KERNEL=0``), over three steps: the running moments, and the
+    preconditioned gradients of a convolution (BNP's added bias), a grouped one and a linear
+    layer. On ``device`` the transform is ATen's calls on CUDA and the C kernel on the CPU
+    (whose case runs in ``make test``). Bugs caught on the CPU: the C kernel's group rows and
+    its bias sum (bnp-kernel-group-rows, bnp-kernel-bias-sum)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    reference = copy.deepcopy(model).double()
+    model = model.to(device)
+    for m in (model, reference):
+        distnorm.bnp.attach(m, decay=0.5)
+    for step in range(3):
+        x = torch.randn(4, 3, 6, 6, dtype=torch.float64) * (1 + step) + 0.5
+        model.zero_grad()
+        model(x.float().to(device)).square().mean().backward()
+        with monkeypatch.context() as env:
+            env.setenv("DISTNORM_CPU_KERNEL", "0")  # read at each call by a layer without a group
+            reference.zero_grad()
+            reference(x).square().mean().backward()
+        for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(got.grad.double().cpu(), want.grad, rtol=1e-4, atol=1e-6, msg=name)
+        for (name, got), want in zip(model.named_buffers(), reference.buffers()):
+            torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.cuda
 @needs_gpu
 @needs_triton
