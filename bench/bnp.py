@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import statistics
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ from torch import nn
 from _common import interleaved_times, machine, ratio_spread, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
 
 import distnorm
+from distnorm._bnp_functions import bnp_precondition
 
 MODELS = {
     # name: (builder, input size, quick input size, batch, quick batch)
@@ -58,8 +60,7 @@ class Step:
 
     def __init__(self, model: nn.Module, use_bnp: bool, x: torch.Tensor, y: torch.Tensor, cpu_kernel: bool = True):
         self.model = model.to(x.device).train()
-        if use_bnp:
-            distnorm.bnp.attach(self.model)
+        self.handle = distnorm.bnp.attach(self.model) if use_bnp else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
         self.x, self.y = x, y
         self.loss = nn.CrossEntropyLoss()
@@ -80,15 +81,13 @@ class Step:
                 os.environ["DISTNORM_CPU_KERNEL"] = before
 
 
-def transform_ms(model: nn.Module, repeats: int) -> dict[str, float]:
-    """Median milliseconds of BNP's gradient transform over every weight ``attach`` would
-    precondition in ``model`` (random gradients of their shapes, a bias each), computed by the
-    C kernel and by ATen's calls, in interleaved rounds."""
-    from distnorm._bnp_functions import bnp_precondition
-
+def transform_ms(layers: Iterable[nn.Module], repeats: int) -> dict[str, float]:
+    """Median milliseconds of BNP's gradient transform over the weights of ``layers`` (the
+    layers ``attach`` preconditions: random gradients of their shapes, a bias each), computed
+    by the C kernel and by ATen's calls, in interleaved rounds."""
     torch.manual_seed(0)
     args = []
-    for layer in distnorm.bnp.attach(copy.deepcopy(model)).layers.values():
+    for layer in layers:
         shape, channels, groups = layer.weight.shape, layer.bnp_mean.numel(), getattr(layer, "groups", 1)
         args.append((torch.randn(shape), torch.randn(shape[0]), torch.randn(channels), torch.rand(channels) + 0.5,
                      3.0, groups))
@@ -122,12 +121,12 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
         "memory_bytes": mem,
         "memory_method": "cuda peak allocated" if device.type == "cuda" else "params+buffers+grads+optimizer state+saved for backward",
         "mem_bnp_vs_plain": round(mem["bnp"] / mem["plain"], 4),
-        "bnp_layers": len(distnorm.bnp.attach(copy.deepcopy(model)).layers),
+        "bnp_layers": len(steps["bnp"].handle.layers),
     }
     if device.type == "cpu":
         entry["step_bnp_aten_vs_plain"] = round(medians["bnp_aten"] / medians["plain"], 4)
         entry["step_bnp_aten_vs_plain_per_round_quartiles"] = ratio_spread(times, "plain")["bnp_aten"]
-        entry["transform_ms"] = transform_ms(model, max(repeats, 5))
+        entry["transform_ms"] = transform_ms(steps["bnp"].handle.layers.values(), max(repeats, 5))
     return entry
 
 

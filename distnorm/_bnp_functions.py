@@ -27,7 +27,8 @@ from distnorm._fused import to_dtype
 from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm.specs import BNPSpec
 
-__all__ = ["BNPGradientFunction", "BNPLayerState", "bnp_precondition", "bnp_q2", "layer_statistics"]
+__all__ = ["BNPGradientFunction", "BNPLayerState", "bnp_precondition", "bnp_q2", "check_precondition_arguments",
+           "layer_statistics"]
 
 
 @dataclass(eq=False)
@@ -214,14 +215,10 @@ def bnp_precondition(
     Returns:
         The preconditioned ``(grad_weight, grad_bias)`` in their original dtypes.
     """
+    check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
     out_channels = grad_weight.shape[0]
     compute = torch.promote_types(grad_weight.dtype, torch.float32)
     per_group = mean.numel() // groups
-    if grad_weight.dim() < 2 or grad_weight.shape[1] != per_group or out_channels % groups:
-        raise ValueError(
-            f"bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)} does not match "
-            f"{mean.numel()} input channels in {groups} group(s)"
-        )
     shape = (out_channels, per_group) + (1,) * (grad_weight.dim() - 2)
     mu, vt = mean.to(compute), var_t.to(compute)
     if groups > 1:  # row d of the per-(output, input-channel) statistics: its group's channels
@@ -242,6 +239,21 @@ def bnp_precondition(
     per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
     new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)
     return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)
+
+
+def check_precondition_arguments(grad_weight: torch.Tensor, grad_bias: torch.Tensor | None, mean: torch.Tensor,
+                                 var_t: torch.Tensor, groups: int) -> None:
+    """Raise ``ValueError`` unless the arguments of BNP's transform fit together (shapes as in
+    :func:`bnp_precondition`): the check of its ATen calls and of the C kernel's operator
+    ``distnorm::bnp_precondition``, which reads raw pointers."""
+    in_channels = mean.numel()
+    if (grad_weight.dim() < 2 or groups < 1 or grad_weight.shape[0] % groups
+            or in_channels != groups * grad_weight.shape[1] or var_t.numel() != in_channels
+            or (grad_bias is not None and grad_bias.numel() != grad_weight.shape[0])):
+        raise ValueError(
+            f"bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)}, bias gradient of "
+            f"{None if grad_bias is None else grad_bias.numel()} values and {in_channels} / {var_t.numel()} "
+            f"input-channel moments do not match in {groups} group(s)")
 
 
 def bnp_q2(count: int | torch.Tensor, fan_in: int, in_spatial: tuple[int, ...],

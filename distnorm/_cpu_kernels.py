@@ -464,19 +464,14 @@ def bnp_precondition(grad_weight: Tensor, grad_bias: Tensor | None, mean: Tensor
     """The CPU kernel of ``distnorm::bnp_precondition``: BNP's gradient transform
     (:func:`distnorm._bnp_functions.bnp_precondition`, its arguments) for a float32 or float64
     gradient, in one pass that reads ``grad_weight`` and writes its transform, where ATen's
-    calls make five weight-sized passes. Without a bias the second result is empty."""
+    calls make five weight-sized passes. Without a bias the second result is empty. The
+    arguments' shapes are checked by the operator before this runs
+    (:func:`distnorm._bnp_functions.check_precondition_arguments`)."""
     dtype = grad_weight.dtype
     out_channels, in_channels = grad_weight.shape[0], mean.numel()
     kernel = math.prod(grad_weight.shape[2:])
-    # The kernel reads raw pointers: a mismatch must raise here, not read past a tensor.
     if dtype not in _PRECONDITION:
         raise TypeError(f"distnorm::bnp_precondition: a float32 or float64 weight gradient, not {dtype}")
-    if (grad_weight.dim() < 2 or groups < 1 or out_channels % groups or in_channels != groups * grad_weight.shape[1]
-            or var_t.numel() != in_channels or (grad_bias is not None and grad_bias.numel() != out_channels)):
-        raise ValueError(
-            f"distnorm::bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)}, bias gradient of "
-            f"{None if grad_bias is None else grad_bias.numel()} values and {mean.numel()} / {var_t.numel()} input "
-            f"channel moments do not match in {groups} group(s)")
     # Held by a name for the call (cbn_plan: a temporary copy would be freed before the kernel reads it).
     gw = grad_weight.contiguous()
     gb = grad_bias.to(dtype).contiguous() if grad_bias is not None else None

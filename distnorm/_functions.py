@@ -829,9 +829,16 @@ def _bnp_precondition_fake(grad_weight: Tensor, grad_bias: Optional[Tensor], *_:
     return torch.empty_like(grad_weight), grad_weight.new_empty(grad_weight.shape[0] if grad_bias is not None else 0)
 
 
+def _bnp_precondition_cpu(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor, q2: float,
+                          groups: int) -> tuple[Tensor, Tensor]:
+    # The kernel reads raw pointers: arguments that do not fit raise first, as ATen's calls would.
+    _bnp_functions.check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
+    return _cpu_bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups)
+
+
 _LIB.define("bnp_precondition(Tensor grad_weight, Tensor? grad_bias, Tensor mean, Tensor var_t, float q2, int groups) "
             "-> (Tensor, Tensor)")
-_LIB.impl("bnp_precondition", _cpu_bnp_precondition, "CPU")
+_LIB.impl("bnp_precondition", _bnp_precondition_cpu, "CPU")
 torch.library.register_fake("distnorm::bnp_precondition", _bnp_precondition_fake, lib=_LIB)
 
 

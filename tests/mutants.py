@@ -1199,9 +1199,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "bnp-kernel-shapes-unchecked",
         "BNP's C kernel refuses arguments that do not match before it reads them",
-        "distnorm/_cpu_kernels.py",
-        "    if (grad_weight.dim() < 2 or groups < 1 or out_channels % groups or in_channels != groups * grad_weight.shape[1]\n",
-        "    if False and (grad_weight.dim() < 2 or groups < 1 or out_channels % groups or in_channels != groups * grad_weight.shape[1]\n",
+        "distnorm/_functions.py",
+        "    _bnp_functions.check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)\n",
+        "    pass\n",
         ("tests/test_bnp.py::test_the_cpu_kernel_refuses_what_does_not_match",),
     ),
     Mutant(

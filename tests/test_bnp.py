@@ -161,8 +161,11 @@ def test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient(shape
 
 
 def test_the_cpu_kernel_refuses_what_does_not_match():
-    """The C kernel reads raw pointers, so a mismatch raises before it runs, as ATen's calls
-    raise (a guard for the operator's direct callers; mutant: bnp-kernel-shapes-unchecked)."""
+    """The C kernel reads raw pointers, so a mismatch raises before it runs, with the check
+    (and the message) of ATen's calls (a guard for the operator's direct callers; mutant:
+    bnp-kernel-shapes-unchecked)."""
+    from distnorm._bnp_functions import bnp_precondition
+
     kernel = torch.ops.distnorm.bnp_precondition
     grad_w, grad_b, mean, var_t = torch.randn(6, 4, 3, 3), torch.randn(6), torch.randn(4), torch.rand(4) + 0.5
     kernel(grad_w, grad_b, mean, var_t, 2.0, 1)  # matches
@@ -170,8 +173,9 @@ def test_the_cpu_kernel_refuses_what_does_not_match():
                 (grad_w, grad_b, torch.randn(5), torch.rand(5), 2.0, 1),
                 (grad_w, torch.randn(5), mean, var_t, 2.0, 1),
                 (grad_w, grad_b, mean, torch.rand(3), 2.0, 1)]:
-        with pytest.raises(ValueError, match="do not match"):
-            kernel(*bad)
+        for way in (kernel, lambda *a: bnp_precondition(*a[:5], groups=a[5])):
+            with pytest.raises(ValueError, match="do not match"):
+                way(*bad)
     with pytest.raises(TypeError, match="float32 or float64"):
         kernel(grad_w.half(), grad_b, mean, var_t, 2.0, 1)
 
