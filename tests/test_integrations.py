@@ -120,10 +120,13 @@ def two_rank_launch(tmp_path_factory):
     """One 2-rank launch per engine holds every training of the tests below that needs no fresh
     processes, in this order: test_off_is_off's run without the plugin's lines (first, so that
     nothing the plugin does in a process can reach it) and with them; every configuration of
-    test_two_ranks_match_one_process; the run whose buffer is perturbed
+    test_two_ranks_match_one_process; the uninterrupted runs and the first parts of
+    test_resume_in_fresh_processes_equals_uninterrupted (their checkpoints in ``ckpt-<i>``
+    beside the records); the run whose buffer is perturbed
     (test_periodic_check_catches_a_perturbed_buffer: last, it raises on both ranks). One launch
-    instead of three per engine: ~10 CPU-seconds of start-up each (torchrun, two ranks importing
-    torch and the engine). ``two_rank_launch(engine)``: each training's per-rank records, by name."""
+    instead of four per engine: ~10 CPU-seconds of start-up each (torchrun, two ranks importing
+    torch and the engine). ``two_rank_launch(engine)``: each training's per-rank records, by
+    name, and ``"root"``: the launch's directory."""
     done: dict[str, dict[str, list[dict]]] = {}
 
     def get(engine: str) -> dict[str, list[dict]]:
@@ -132,11 +135,13 @@ def two_rank_launch(tmp_path_factory):
             off = [*OFF_IS_OFF[engine].values[0], "--steps", "4"]
             runs = {"off-without": [*off, "--no-plugin"], "off-with": off,
                     **{f"split-{name}": a for name, a in _split_args(engine).items()},
+                    **{f"{part}{i}": a for i, parts in enumerate(_resume_args(engine, root))
+                       for part, a in parts.items() if part in ("full", "first")},
                     "perturbed": [*PERTURBED[engine].values[0], "--distnorm", "cbn", "--steps", "6",
                                   "--distnorm-check-every", "1", "--perturb-step", "2"]}
             # The perturbed run exits 3 on both ranks; every training's outcome is in its records.
             records = launch_many(2, [(root / name, a) for name, a in runs.items()], expect=None)
-            done[engine] = dict(zip(runs, records))
+            done[engine] = {"root": root, **dict(zip(runs, records))}
         return done[engine]
 
     return get
@@ -171,18 +176,35 @@ def test_two_ranks_match_one_process(tmp_path, engine, two_rank_launch):
             assert any(k.endswith("bnp_var") for k in split[0]["buffers"])
 
 
-#: test_resume_in_fresh_processes_equals_uninterrupted: Accelerate; DeepSpeed ZeRO-1 and
-#: ZeRO-3 in the same launches.
-RESUME = {"accelerate": [CONFIGS[0]], "deepspeed-zero1-zero3": [CONFIGS[3], CONFIGS[5]]}
+#: test_resume_in_fresh_processes_equals_uninterrupted, by engine: Accelerate; DeepSpeed ZeRO-1
+#: and ZeRO-3 in the same launches.
+RESUME = {"accelerate": [CONFIGS[0]], "deepspeed": [CONFIGS[3], CONFIGS[5]]}
+
+
+def _resume_args(engine: str, root: Path) -> list[dict[str, list[str]]]:
+    """test_resume_in_fresh_processes_equals_uninterrupted's trainings of ``engine``, per
+    configuration: the uninterrupted run, the first part (saved at step 3 into
+    ``root/ckpt<i>``), the resume, and the resume with another distnorm configuration."""
+    out = []
+    for i, config in enumerate(RESUME[engine]):
+        args = [*config.values[0], "--distnorm", "cbn", "--distnorm-bnp", "--steps", "6", "--ckpt", str(root / f"ckpt{i}")]
+        out.append({
+            "full": args,
+            "first": [*args, "--save-at", "3"],
+            "resumed": [*args, "--save-at", "3", "--resume"],
+            "refused": [*args, "--save-at", "3", "--resume", "--distnorm-cbn-rho", "3", "--expect-refused-resume"],
+        })
+    return out
 
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("engine", list(RESUME))
-def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine):
+@pytest.mark.parametrize("engine", [pytest.param("accelerate"), pytest.param("deepspeed", id="deepspeed-zero1-zero3")])
+def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine, two_rank_launch):
     """Save at step 3, resume in fresh processes: the same losses, LRs and final state as the
-    uninterrupted run. The uninterrupted run and the first part share a launch (neither
-    needs fresh processes); the resumed part is a launch of its own.
+    uninterrupted run. The uninterrupted run and the first part need no fresh processes: they
+    run in the engine's shared launch (``two_rank_launch``); the resumed part is a launch of
+    its own.
 
     The plugin's state rides in each engine's own checkpoint hook (Accelerate's
     ``register_for_checkpointing``, DeepSpeed's ``client_state``): the resumed plugin counts
@@ -190,19 +212,13 @@ def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine):
     (CBN's rho 3 instead of 1) is refused on every rank, naming both. Bug caught: the plugin's
     entry left out of the checkpoint (the count restarts at 0, the other configuration
     resumes silently)."""
-    configs = RESUME[engine]
-    full, first, resumed, refused = [], [], [], []
-    for i, config in enumerate(configs):
-        args = [*config.values[0], "--distnorm", "cbn", "--distnorm-bnp", "--steps", "6",
-                "--ckpt", str(tmp_path / f"ckpt{i}")]
-        full.append((tmp_path / f"full{i}", args))
-        first.append((tmp_path / f"first{i}", [*args, "--save-at", "3"]))
-        resumed.append((tmp_path / f"resumed{i}", [*args, "--save-at", "3", "--resume"]))
-        refused.append((tmp_path / f"refused{i}", [*args, "--save-at", "3", "--resume", "--distnorm-cbn-rho", "3",
-                                                    "--expect-refused-resume"]))
-    records = launch_many(2, [*full, *first])
+    shared = two_rank_launch(engine)
+    trainings = _resume_args(engine, shared["root"])
+    full = [shared[f"full{i}"] for i in range(len(trainings))]
+    resumed = [(tmp_path / f"resumed{i}", parts["resumed"]) for i, parts in enumerate(trainings)]
+    refused = [(tmp_path / f"refused{i}", parts["refused"]) for i, parts in enumerate(trainings)]
     after = launch_many(2, [*resumed, *refused])  # the refused resumes last: each raises on its ranks
-    for full_run, resumed_run, refused_run in zip(records[:len(configs)], after, after[len(configs):]):
+    for full_run, resumed_run, refused_run in zip(full, after, after[len(trainings):]):
         _assert_resumed_equals_full(full_run, resumed_run)
         for a, b, c in zip(full_run, resumed_run, refused_run):
             assert a["plugin_state"]["training_forwards"] == b["plugin_state"]["training_forwards"] == 6
