@@ -121,15 +121,15 @@ def two_rank_launch(tmp_path_factory):
     processes, in this order: test_off_is_off's run without the plugin's lines (first, so that
     nothing the plugin does in a process can reach it) and with them; every configuration of
     test_two_ranks_match_one_process; the uninterrupted runs and the first parts of
-    test_resume_in_fresh_processes_equals_uninterrupted (their checkpoints in ``ckpt-<i>``
+    test_resume_in_fresh_processes_equals_uninterrupted (their checkpoints in ``ckpt<i>``
     beside the records); the run whose buffer is perturbed
     (test_periodic_check_catches_a_perturbed_buffer: last, it raises on both ranks). One launch
     instead of four per engine: ~10 CPU-seconds of start-up each (torchrun, two ranks importing
     torch and the engine). ``two_rank_launch(engine)``: each training's per-rank records, by
     name, and ``"root"``: the launch's directory."""
-    done: dict[str, dict[str, list[dict]]] = {}
+    done: dict[str, dict] = {}
 
-    def get(engine: str) -> dict[str, list[dict]]:
+    def get(engine: str) -> dict:
         if engine not in done:
             root = tmp_path_factory.mktemp(f"launch-{engine}")
             off = [*OFF_IS_OFF[engine].values[0], "--steps", "4"]
