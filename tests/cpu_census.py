@@ -9,7 +9,11 @@ site-packages for the length of the command (removed after, whatever happens): e
 process started with ``CPU_CENSUS_OUT`` in its environment writes, at exit (``atexit`` and
 ``os._exit``), its ``argv``, its own CPU seconds, the heavy modules it imported and whether
 it is a forked child (no interpreter start of its own: a fork server's rank, a DataLoader
-worker). Killed processes write nothing. ``report`` groups the interpreters by kind and
+worker). What it cannot see: a process killed by a signal it does not handle (SIGKILL, or
+SIGTERM without a handler: ``torchrun`` stopping the other ranks), the image a launcher
+replaces with ``os.exec*`` (the new image is recorded), interpreters of another venv, and
+every process that is not Python (shells, daemons, compilers); ``tests/cpu_seconds.py``
+around the same command counts them all. ``report`` groups the interpreters by kind and
 measures, once per distinct set of heavy modules, what a fresh interpreter pays to import
 that set (median of three): the sum over the interpreters is the suite's start-up floor, what
 it would cost if every launched process stopped right after its imports.
@@ -24,10 +28,11 @@ import argparse
 import collections
 import json
 import os
-import site
+import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 #: What a test's process may import that costs start-up, cheapest last.
@@ -36,7 +41,7 @@ HEAVY = ("torch", "torch._dynamo", "torchvision", "accelerate", "deepspeed", "li
 HOOK = '''\
 import os
 if os.environ.get("CPU_CENSUS_OUT"):
-    import atexit, json, resource, sys
+    import atexit, json, resource, sys, uuid
     _born, _written = os.getpid(), []
 
     def _census_write():
@@ -47,14 +52,15 @@ if os.environ.get("CPU_CENSUS_OUT"):
             usage = resource.getrusage(resource.RUSAGE_SELF)
             record = {"argv": sys.argv[:4], "cpu": usage.ru_utime + usage.ru_stime, "forked": os.getpid() != _born,
                       "pytest": "_pytest" in sys.modules, "modules": [m for m in %r if m in sys.modules]}
-            with open(os.path.join(os.environ["CPU_CENSUS_OUT"], f"{os.getpid()}.json"), "w") as f:
+            name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}.json"  # pids wrap in a long run
+            with open(os.path.join(os.environ["CPU_CENSUS_OUT"], name), "x") as f:
                 json.dump(record, f)
         except Exception:
             pass
 
-    def _census_exit(code, _exit=os._exit):
+    def _census_exit(status, _exit=os._exit):  # os._exit takes status by name too
         _census_write()
-        _exit(code)
+        _exit(status)
 
     atexit.register(_census_write)
     os._exit = _census_exit
@@ -62,42 +68,53 @@ if os.environ.get("CPU_CENSUS_OUT"):
 
 
 def run(directory: Path, command: list[str]) -> int:
-    """Run ``command`` with the hook installed and ``CPU_CENSUS_OUT=directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    packages = Path(site.getsitepackages()[0])
+    """Run ``command`` with the hook installed and ``CPU_CENSUS_OUT=directory``; the hook goes
+    when the command ends, fails, or this process gets Ctrl-C or SIGTERM."""
+    packages = Path(sysconfig.get_path("purelib"))  # this interpreter's site-packages, venv or not
     module, pth = packages / "_distnorm_cpu_census.py", packages / "_distnorm_cpu_census.pth"
+    if pth.exists():
+        raise SystemExit(f"{pth} exists: another census runs in this Python, or one was killed; "
+                         f"remove it (and {module.name}) if none runs")
+    directory.mkdir(parents=True, exist_ok=True)
     module.write_text(HOOK)
-    pth.write_text("import _distnorm_cpu_census\n")
+    pth.write_text(f"import {module.stem}\n")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so that finally runs
     try:
         return subprocess.call(command, env={**os.environ, "CPU_CENSUS_OUT": str(directory.resolve())})
     finally:
         pth.unlink(missing_ok=True)
         module.unlink(missing_ok=True)
+        if not any(directory.glob("*.json")):
+            print(f"cpu_census: no process wrote a record in {directory} (is the command's Python "
+                  f"{sys.executable}?)", file=sys.stderr)
 
 
 def kind(record: dict) -> str:
-    """What started this interpreter, from its ``argv``."""
-    argv = " ".join(record["argv"])
-    first = Path(record["argv"][0]).name if record["argv"] else "?"
-    if "torch/distributed/run.py" in argv or first == "torchrun":
-        return "torchrun agent"
-    if "distnorm/train/__main__.py" in argv or first == "distnorm-train":
-        return "recipe training or its check"
+    """What this interpreter ran, from its script (``argv[0]``)."""
+    script = record["argv"][0] if record["argv"] else "?"
+    name = Path(script).name
     if record["pytest"]:
-        return "pytest (its workers: every in-process test)"
-    if "deepspeed" in argv:
+        return "pytest (the suite, its workers, sessions tests start)"
+    if name == "torchrun" or script.endswith("torch/distributed/run.py"):
+        return "torchrun agent"
+    if name == "distnorm-train" or script.endswith("distnorm/train/__main__.py"):
+        return "recipe training or its check"
+    if name == "deepspeed" or "/deepspeed/launcher/" in script:
         return "DeepSpeed runner or launcher"
-    if "accelerate" in first:
+    if name == "accelerate":
         return "accelerate launch"
-    if "/bench/" in argv:
+    if "/bench/" in script:
         return "benchmark script"
-    return f"other ({first})"
+    if "/examples/" in script or "/tests/engines/" in script:
+        return "example or engine script"
+    return f"other ({name})"
 
 
 def import_cost(modules: tuple[str, ...], python: str = sys.executable, repeats: int = 3) -> float:
     """CPU seconds a fresh interpreter pays to import ``modules`` (median of ``repeats``)."""
-    code = "".join(f"import {m}\n" for m in modules if m != "distnorm")  # distnorm's import is lazy:
-    # what its modules pull in is in the list already
+    # distnorm's own import is lazy (no torch); what its modules pull in that is heavy is in
+    # the list already, the rest (yaml, PIL, ...) left out: the floor stays a lower bound
+    code = "".join(f"import {m}\n" for m in modules if m != "distnorm")
     code += "import resource\nu = resource.getrusage(resource.RUSAGE_SELF)\nprint(u.ru_utime + u.ru_stime)\n"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("CPU_CENSUS_OUT", None)
@@ -107,22 +124,28 @@ def import_cost(modules: tuple[str, ...], python: str = sys.executable, repeats:
 
 
 def report(directory: Path, cost=import_cost) -> str:
-    """The interpreters of a ``run`` by kind: count, their own CPU seconds, the start-up floor."""
+    """The interpreters of a ``run`` by kind: count, their own CPU seconds, the start-up floor
+    (each one's import cost, capped at its own CPU seconds: a lower bound)."""
     records = [json.loads(f.read_text()) for f in sorted(directory.glob("*.json"))]
     started = [r for r in records if not r["forked"]]
     forked = [r for r in records if r["forked"]]
     costs = {mods: cost(mods) for mods in sorted({tuple(r["modules"]) for r in started})}
+
+    def floor(group: list[dict]) -> float:
+        return sum(min(costs[tuple(r["modules"])], r["cpu"]) for r in group)
+
+    def own(group: list[dict]) -> float:
+        return sum(r["cpu"] for r in group)
+
     groups = collections.defaultdict(list)
     for record in started:
         groups[kind(record)].append(record)
-    floor = sum(costs[tuple(r["modules"])] for r in started)
-    lines = [f"{len(started)} interpreters: {sum(r['cpu'] for r in started):.0f} CPU-s of their own, "
-             f"{floor:.0f} of them their imports alone (the floor)",
-             f"{len(forked)} forked children (no start-up of their own): {sum(r['cpu'] for r in forked):.0f} CPU-s",
-             "", f"{'started by':46} {'count':>5} {'CPU-s':>7} {'floor':>7}"]
-    for name, group in sorted(groups.items(), key=lambda item: -sum(r["cpu"] for r in item[1])):
-        lines.append(f"{name:46} {len(group):5} {sum(r['cpu'] for r in group):7.0f} "
-                     f"{sum(costs[tuple(r['modules'])] for r in group):7.0f}")
+    lines = [f"{len(started)} interpreters: {own(started):.1f} CPU-s of their own, "
+             f"{floor(started):.1f} of them their imports alone (the floor)",
+             f"{len(forked)} forked children (no start-up of their own): {own(forked):.1f} CPU-s",
+             "", f"{'started by':54} {'count':>5} {'CPU-s':>7} {'floor':>7}"]
+    for name, group in sorted(groups.items(), key=lambda item: -own(item[1])):
+        lines.append(f"{name:54} {len(group):5} {own(group):7.1f} {floor(group):7.1f}")
     lines += ["", "count  import CPU-s  modules"]
     counts = collections.Counter(tuple(r["modules"]) for r in started)
     lines += [f"{n:5}  {costs[mods]:12.2f}  {', '.join(mods) or '-'}" for mods, n in counts.most_common()]
