@@ -215,6 +215,9 @@ def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine, two_ra
     shared = two_rank_launch(engine)
     trainings = _resume_args(engine, shared["root"])
     full = [shared[f"full{i}"] for i in range(len(trainings))]
+    for i in range(len(trainings)):  # the shared launch leaves each training's outcome to its records
+        for part in ("full", "first"):
+            assert all("error" not in r for r in shared[f"{part}{i}"]), shared[f"{part}{i}"]
     resumed = [(tmp_path / f"resumed{i}", parts["resumed"]) for i, parts in enumerate(trainings)]
     refused = [(tmp_path / f"refused{i}", parts["refused"]) for i, parts in enumerate(trainings)]
     after = launch_many(2, [*resumed, *refused])  # the refused resumes last: each raises on its ranks
