@@ -1,10 +1,10 @@
-"""Every Python interpreter a command starts, and the CPU seconds its imports alone would cost.
+"""Every Python interpreter a command starts, and how much of its CPU its imports are.
 
     python tests/cpu_census.py run DIR -- python -m pytest ...   # record, one JSON file per process
-    python tests/cpu_census.py report DIR                         # by kind; the start-up floor
+    python tests/cpu_census.py report DIR                         # by kind; their imports' cost
 
-``tests/cpu_seconds.py`` says how much CPU the suite takes; this says how much of it no cut
-inside a launched process can remove. ``run`` puts a ``.pth`` hook in this interpreter's
+``tests/cpu_seconds.py`` says how much CPU the suite takes; this says how much of it the
+processes the tests start pay for their imports, whatever the test does. ``run`` puts a ``.pth`` hook in this interpreter's
 site-packages for the length of the command (removed after, whatever happens): each Python
 process started with ``CPU_CENSUS_OUT`` in its environment writes, at exit (``atexit`` and
 ``os._exit``), its ``argv``, its own CPU seconds, the heavy modules it imported and whether
@@ -13,13 +13,15 @@ worker). What it cannot see: a process killed by a signal it does not handle (SI
 SIGTERM without a handler: ``torchrun`` stopping the other ranks), the image a launcher
 replaces with ``os.exec*`` (the new image is recorded), interpreters of another venv, and
 every process that is not Python (shells, daemons, compilers); ``tests/cpu_seconds.py``
-around the same command counts them all. ``report`` groups the interpreters by kind and
-measures, once per distinct set of heavy modules, what a fresh interpreter pays to import
-that set (median of three): the sum over the interpreters is the suite's start-up floor, what
-it would cost if every launched process stopped right after its imports.
+around the same command counts them all. Right after the command, ``run`` measures, once per
+distinct set of heavy modules, what a fresh interpreter pays to import that set (median of
+three; ``DIR/import-costs.json``); ``report`` groups the interpreters by kind and charges
+each that cost, capped at its own CPU. Process accounting beside it
+(``accton``, ``dump-acct``) adds each process's CPU to its very end (its teardown, after the
+last ``atexit`` handler), the killed ones and the rest (``tests/README.md``, "CPU seconds").
 
 A measurement tool, not run by ``make test``: while ``run`` holds the hook, every Python
-process of that venv started with ``CPU_CENSUS_OUT`` set pays for an ``import json``.
+process of that venv started with ``CPU_CENSUS_OUT`` set pays for a few small imports.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from pathlib import Path
 
 #: What a test's process may import that costs start-up, cheapest last.
 HEAVY = ("torch", "torch._dynamo", "torchvision", "accelerate", "deepspeed", "lightning", "timm", "webdataset", "distnorm")
+
+#: Where ``run`` keeps the import costs it measured right after the command.
+COSTS = "import-costs.json"
 
 HOOK = '''\
 import os
@@ -80,20 +85,36 @@ def run(directory: Path, command: list[str]) -> int:
     pth.write_text(f"import {module.stem}\n")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # so that finally runs
     try:
-        return subprocess.call(command, env={**os.environ, "CPU_CENSUS_OUT": str(directory.resolve())})
+        code = subprocess.call(command, env={**os.environ, "CPU_CENSUS_OUT": str(directory.resolve())})
     finally:
         pth.unlink(missing_ok=True)
         module.unlink(missing_ok=True)
-        if not any(directory.glob("*.json")):
-            print(f"cpu_census: no process wrote a record in {directory} (is the command's Python "
-                  f"{sys.executable}?)", file=sys.stderr)
+    if not _records(directory):
+        print(f"cpu_census: no process wrote a record in {directory} (is the command's Python "
+              f"{sys.executable}?)", file=sys.stderr)
+        return code
+    # Right after the run: this machine's speed drifts by tens of percent within an hour, so
+    # the import costs are only comparable with the run's own CPU seconds if taken beside it.
+    print("cpu_census: measuring what each set of imports costs a fresh interpreter", file=sys.stderr)
+    (directory / COSTS).write_text(json.dumps(_measure_costs(_records(directory)), indent=1) + "\n")
+    return code
+
+
+def _records(directory: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(directory.glob("[0-9]*-*.json"))]
+
+
+def _measure_costs(records: list[dict]) -> list[list]:
+    """``[modules, CPU seconds]`` for each distinct set of heavy modules an interpreter imported."""
+    sets = sorted({tuple(r["modules"]) for r in records if not r["forked"]})
+    return [[list(mods), import_cost(mods)] for mods in sets]
 
 
 def kind(record: dict) -> str:
     """What this interpreter ran, from its script (``argv[0]``)."""
     script = record["argv"][0] if record["argv"] else "?"
     name = Path(script).name
-    if record["pytest"]:
+    if record.get("pytest"):
         return "pytest (the suite, its workers, sessions tests start)"
     if name == "torchrun" or script.endswith("torch/distributed/run.py"):
         return "torchrun agent"
@@ -113,7 +134,7 @@ def kind(record: dict) -> str:
 def import_cost(modules: tuple[str, ...], python: str = sys.executable, repeats: int = 3) -> float:
     """CPU seconds a fresh interpreter pays to import ``modules`` (median of ``repeats``)."""
     # distnorm's own import is lazy (no torch); what its modules pull in that is heavy is in
-    # the list already, the rest (yaml, PIL, ...) left out: the floor stays a lower bound
+    # the list already, the rest (yaml, PIL, ...) left out: the figure stays a lower bound
     code = "".join(f"import {m}\n" for m in modules if m != "distnorm")
     code += "import resource\nu = resource.getrusage(resource.RUSAGE_SELF)\nprint(u.ru_utime + u.ru_stime)\n"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
@@ -123,15 +144,19 @@ def import_cost(modules: tuple[str, ...], python: str = sys.executable, repeats:
     return statistics.median(times)
 
 
-def report(directory: Path, cost=import_cost) -> str:
-    """The interpreters of a ``run`` by kind: count, their own CPU seconds, the start-up floor
-    (each one's import cost, capped at its own CPU seconds: a lower bound)."""
-    records = [json.loads(f.read_text()) for f in sorted(directory.glob("*.json"))]
+def report(directory: Path) -> str:
+    """The interpreters of a ``run`` by kind: count, their own CPU seconds, their
+    imports' cost (each one's, capped at its own CPU seconds: a lower bound), with the import
+    costs ``run`` measured right after the command (now, if it did not)."""
+    records = _records(directory)
     started = [r for r in records if not r["forked"]]
     forked = [r for r in records if r["forked"]]
-    costs = {mods: cost(mods) for mods in sorted({tuple(r["modules"]) for r in started})}
+    measured = directory / COSTS
+    when = "right after the run" if measured.exists() else "now, not beside the run"
+    pairs = json.loads(measured.read_text()) if measured.exists() else _measure_costs(records)
+    costs = {tuple(mods): cpu for mods, cpu in pairs}
 
-    def floor(group: list[dict]) -> float:
+    def imports(group: list[dict]) -> float:
         return sum(min(costs[tuple(r["modules"])], r["cpu"]) for r in group)
 
     def own(group: list[dict]) -> float:
@@ -141,12 +166,12 @@ def report(directory: Path, cost=import_cost) -> str:
     for record in started:
         groups[kind(record)].append(record)
     lines = [f"{len(started)} interpreters: {own(started):.1f} CPU-s of their own, "
-             f"{floor(started):.1f} of them their imports alone (the floor)",
+             f"{imports(started):.1f} of them their imports",
              f"{len(forked)} forked children (no start-up of their own): {own(forked):.1f} CPU-s",
-             "", f"{'started by':54} {'count':>5} {'CPU-s':>7} {'floor':>7}"]
+             "", f"{'started by':54} {'count':>5} {'CPU-s':>7} {'imports':>7}"]
     for name, group in sorted(groups.items(), key=lambda item: -own(item[1])):
-        lines.append(f"{name:54} {len(group):5} {own(group):7.1f} {floor(group):7.1f}")
-    lines += ["", "count  import CPU-s  modules"]
+        lines.append(f"{name:54} {len(group):5} {own(group):7.1f} {imports(group):7.1f}")
+    lines += ["", f"count  import CPU-s  modules (import costs measured {when})"]
     counts = collections.Counter(tuple(r["modules"]) for r in started)
     lines += [f"{n:5}  {costs[mods]:12.2f}  {', '.join(mods) or '-'}" for mods, n in counts.most_common()]
     return "\n".join(lines)
@@ -158,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     record = sub.add_parser("run", help="run a command, recording every Python process it starts")
     record.add_argument("directory", type=Path)
     record.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ...")
-    show = sub.add_parser("report", help="the recorded interpreters by kind, and their start-up floor")
+    show = sub.add_parser("report", help="the recorded interpreters by kind, and what their imports cost")
     show.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
     if args.action == "report":
