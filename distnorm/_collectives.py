@@ -30,6 +30,7 @@ tensor on the host (no ``.item()``) except in debug mode and on error paths.
 from __future__ import annotations
 
 import hashlib
+import os
 import weakref
 from typing import NamedTuple
 
@@ -108,13 +109,31 @@ def group_size(process_group: ProcessGroup | None = None) -> int:
     return size
 
 
+#: Test switch ``DISTNORM_SYNC_ONE_RANK=1`` (read at import; :func:`keep_one_rank_groups`
+#: flips it): a group of one rank keeps its collectives, so a machine with one GPU runs the
+#: synchronized path -- NCCL, the frames' GPU checks, the kernels a group agrees on, CUDA
+#: graphs with the all-reduce inside -- that a real job runs on many. The arithmetic is the
+#: synchronized path's (float64 packing, device counts), equal to the local path's within
+#: rounding; never set in training.
+_ONE_RANK_GROUPS = [os.environ.get("DISTNORM_SYNC_ONE_RANK", "") == "1"]
+
+
+def keep_one_rank_groups(keep: bool = True) -> bool:
+    """Set the test switch ``DISTNORM_SYNC_ONE_RANK`` in this process (see above); returns
+    the previous value."""
+    previous, _ONE_RANK_GROUPS[0] = _ONE_RANK_GROUPS[0], bool(keep)
+    return previous
+
+
 def sync_group(process_group: ProcessGroup | None = None) -> ProcessGroup | None:
     """The group a synchronized layer reduces over, or ``None`` to run locally.
 
     Layers synchronize only when ``torch.distributed`` is initialised and the group has
-    more than one rank; otherwise they run the same mathematics on the local batch.
+    more than one rank (or one, under the test switch ``DISTNORM_SYNC_ONE_RANK=1``);
+    otherwise they run the same mathematics on the local batch.
     """
-    if group_size(process_group) <= 1:
+    size = group_size(process_group)
+    if size <= 1 and not (size == 1 and _ONE_RANK_GROUPS[0] and is_distributed()):
         return None
     return process_group if process_group is not None else dist.group.WORLD
 
