@@ -228,11 +228,17 @@ class _Pending:
     def record(self, received: torch.Tensor, header: _Header) -> None:
         if received.is_cuda:
             # Behind the all-reduce on the stream: a copy to pinned memory, then an event the
-            # host polls. Nothing waits.
-            host = torch.empty(received.shape, dtype=received.dtype, pin_memory=True)
-            host.copy_(received, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            # host polls. Nothing waits. Both on the frame's device, which need not be the
+            # current one (init_process_group(device_id=...) sets none; gloo takes any GPU's
+            # tensors): the copy runs on its source's current stream (ATen's device-to-host
+            # copy), so the event goes on that stream too -- on the current device's it
+            # would be done at once and the host would compare bytes not yet copied -- and
+            # nothing here touches, or opens a context on, another GPU.
+            with torch.cuda.device(received.device):
+                host = torch.empty(received.shape, dtype=received.dtype, pin_memory=True)
+                host.copy_(received, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(received.device))
         else:
             # Deferred on the CPU (compare_at_once answered False, as the tests do): taken as
             # still on its way until a check waits for it, like a GPU far behind its host,

@@ -138,3 +138,78 @@ def test_own_communicator_carries_the_layers_collectives(tmp_path):
     """What breaks it: the config flag not reaching the layers (they would keep sharing the
     default communicator, and DDP's buckets, with no visible difference in results)."""
     run_distributed(_own_communicator_worker, 2, tmp_path)
+
+
+# ------------------------------------------------------- a GPU frame's read-back, modelled
+def test_a_gpu_frames_read_back_stays_on_the_frames_device(monkeypatch):
+    """The deferred header check of a GPU frame (``distnorm._frames._Pending.record``) for a
+    frame on ``cuda:1`` while ``cuda:0`` is current: ``init_process_group(device_id=cuda:1)``
+    without ``torch.cuda.set_device`` (which the NCCL device error above offers), or gloo
+    handed another GPU's tensors. No GPU here: the CUDA calls ``record`` makes are stood in
+    for by a model of what PyTorch does with them -- a current device; ``Event.record()``
+    on the current device's current stream unless given one (``torch/cuda/streams.py``); a
+    device-to-host copy on its *source's* current stream (ATen's ``copy_kernel_cuda``); a
+    pinned allocation and an event's recording touching the device current then, or the
+    stream's -- while ``record`` itself runs as it is. Bug caught (gpu-reading-2026-11-28,
+    finding 1): the event recorded on cuda:0's stream while the copy ran on cuda:1's, so
+    the event was done at once and the host compared pinned bytes not yet copied (a false
+    CollectiveMismatchError at step 1), and the pinned buffer opening a CUDA context on
+    GPU 0 in every rank. The same on real GPUs, without a model:
+    ``tests/test_cuda.py::test_a_gpu_frame_is_compared_once_its_copy_arrived``."""
+    from types import SimpleNamespace
+
+    from distnorm import _frames
+
+    header = _frames._make_header("CBN 'bn'|forward", (8, torch.float32), 0, 2, CPU)
+    current = [0]  # the current CUDA device
+    touched = []  # (what, the device it ran on)
+
+    class Device:  # torch.cuda.device(d): d is current inside
+        def __init__(self, device):
+            self.index = torch.device(device).index
+
+        def __enter__(self):
+            self.previous, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    def current_stream(device=None):
+        return ("current stream of cuda", current[0] if device is None else torch.device(device).index)
+
+    class Event:
+        def record(self, stream=None):
+            self.stream = current_stream() if stream is None else stream
+            touched.append(("event", self.stream[1]))
+
+        def query(self):
+            return False  # the copy is on its way
+
+    class Pinned:
+        def copy_(self, source, non_blocking=False):
+            assert non_blocking
+            self.stream = current_stream(source.device)  # ATen: the source's device and its current stream
+            return self
+
+    real_empty = torch.empty
+
+    def empty(*size, pin_memory=False, **kwargs):
+        if not pin_memory:
+            return real_empty(*size, **kwargs)
+        touched.append(("pinned", current[0]))
+        return Pinned()
+
+    received = SimpleNamespace(is_cuda=True, device=CUDA1, shape=header.mine.shape, dtype=header.mine.dtype)
+    pending = _frames._Pending()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "device", Device)
+        patch.setattr(torch.cuda, "current_stream", current_stream)
+        patch.setattr(torch.cuda, "Event", Event)
+        patch.setattr(torch, "empty", empty)
+        pending.record(received, header)
+    assert len(pending) == 1  # kept until its event says the copy arrived
+    (event, host, kept), = pending._frames
+    assert kept is header
+    assert event.stream == host.stream == ("current stream of cuda", 1)  # the event follows the copy
+    assert touched == [("pinned", 1), ("event", 1)]  # nothing ran on GPU 0
+    assert current[0] == 0  # the caller's current device as it was
