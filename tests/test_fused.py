@@ -13,9 +13,12 @@ the kernels (every rank takes the same path) is tested with real ranks in
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib
 import importlib.util
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -83,6 +86,38 @@ def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6, msg=f"output {i}")
         else:
             assert torch.equal(g, w), i
+
+
+@contextlib.contextmanager
+def triton_launches(device: torch.device | str) -> Iterator[collections.Counter]:
+    """Counts, by name, the launches of distnorm's Triton kernels (``cbn_plan``,
+    ``backward_sums``) in the kernel module the fused operators run for ``device`` in this
+    process (:func:`distnorm._fused._kernels_for`: the compiled :mod:`distnorm._triton` for
+    CUDA tensors, the interpreted copy under ``DISTNORM_TRITON=interpret``). Each launch is a
+    ``KERNELS[name][grid](...)``: the kernels are wrapped there, launched as before, and put
+    back afterwards. Used by the GPU tests (here and ``test_cuda.py``) to assert the kernel
+    that ran, not only the values."""
+    kernels, why = _fused._kernels_for(torch.device(device))
+    assert kernels is not None, f"no Triton kernels for {device} here: {why}"
+    counts: collections.Counter = collections.Counter()
+
+    class Counted:
+        def __init__(self, name: str, kernel: object) -> None:
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid: object) -> object:
+            counts[self.name] += 1
+            return self.kernel[grid]
+
+        def __getattr__(self, attr: str) -> object:
+            return getattr(self.kernel, attr)
+
+    saved = dict(kernels.KERNELS)
+    kernels.KERNELS.update({name: Counted(name, kernel) for name, kernel in saved.items()})
+    try:
+        yield counts
+    finally:
+        kernels.KERNELS.update(saved)
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +288,8 @@ def test_triton_state_says_which_kernels_run_and_why(monkeypatch, fresh_verdicts
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 def test_layers_through_the_interpreted_kernels_equal_the_composite(interpreted, monkeypatch, fresh_verdicts):
     """``DISTNORM_TRITON=interpret``: CBN and POP-Norm training steps whose fused operators run
-    the Triton kernels (forward and backward) give the composite's outputs, gradients and
-    buffers, across AMAT's phases (eta 0, 0.5, 0.9)."""
+    the Triton kernels (forward and backward, one launch each per step: counted) give the
+    composite's outputs, gradients and buffers, across AMAT's phases (eta 0, 0.5, 0.9)."""
     torch.manual_seed(0)
     layers = [distnorm.CBN(6, rho=1.5), distnorm.POPNorm(6)]
     composite = [distnorm.CBN(6, rho=1.5), distnorm.POPNorm(6)]
@@ -262,12 +297,18 @@ def test_layers_through_the_interpreted_kernels_equal_the_composite(interpreted,
     for mode, group in (("0", composite), ("interpret", layers)):
         monkeypatch.setenv("DISTNORM_TRITON", mode)
         results[mode] = []
-        for step, lr in enumerate([0.2, 0.05, 0.01, 0.01]):
+        lrs = [0.2, 0.05, 0.01, 0.01]
+        for step, lr in enumerate(lrs):
             for layer in group:
                 distnorm.set_lr(layer, lr)
-                results[mode].append(_cbn_step(layer, step))
+                if mode == "interpret":
+                    assert _fused.triton_decision(None, torch.device("cpu"))  # probed here, outside the count
+                    with triton_launches("cpu") as launches:
+                        results[mode].append(_cbn_step(layer, step))
+                    assert launches == {"cbn_plan": 1, "backward_sums": 1}, (step, type(layer).__name__, launches)
+                else:
+                    results[mode].append(_cbn_step(layer, step))
         results[mode] += [b for layer in group for b in layer.buffers()]
-    assert _fused.triton_decision(None, torch.device("cpu"))  # the interpreted kernels ran
     _assert_close(results["interpret"], results["0"])
 
 
@@ -294,19 +335,29 @@ def test_operators_are_well_formed_for_torch_compile():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_fused_operators_equal_composite(case):
-    """On a GPU: the compiled Triton kernels (the operators with ``triton=True``, which raise
-    where Triton cannot run: no quiet fallback to compare with itself) against the composite
-    on the same CUDA tensors."""
-    if not _fused.triton_state(device="cuda").used:
-        pytest.skip(f"Triton kernels do not run here: {_fused.triton_state(device='cuda').reason}")
+    """On a GPU: the compiled Triton kernels (the operators with ``kernel="triton"``, which
+    raise where Triton cannot run: no quiet fallback to compare with itself) against the
+    composite on the same CUDA tensors, each operator one launch of its kernel (counted).
+    Skipped only where Triton is off here (``DISTNORM_TRITON=0``, not installed); where it
+    is on and fails (its launcher cannot build, its kernels compute something else) this
+    fails, naming why. Bugs caught: a kernel's formula that differs on the GPU; a case the
+    operator hands to the composite instead of the kernel; before, a Triton that failed here
+    made this test a skip (gpu-reading-2026-11-28, finding 6)."""
+    verdict, reason = _fused._local_verdict(torch.device("cuda"))  # probes each kernel once, outside the count
+    if verdict == _fused._OFF:
+        pytest.skip(f"Triton is off here: {reason}")
+    assert verdict == _fused._OK, f"distnorm's Triton kernels cannot run on this GPU: {reason}"
     args = _plan_args(**CASES[case], device="cuda")
     composite_args, op_args = _clone(args), _clone(args)
     want = _fused.cbn_plan_composite(*composite_args)
-    got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, "triton"))
+    backward = _backward_args("cuda")
+    with triton_launches("cuda") as launches:
+        got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, "triton"))
+        got_backward = torch.ops.distnorm.backward_sums(*backward, "triton")
+    assert launches == {"cbn_plan": 1, "backward_sums": 1}, launches
     _assert_close([x.cpu() for x in list(got) + op_args[BUFFERS]],
                   [x.cpu() for x in list(want) + composite_args[BUFFERS]])
-    args = _backward_args("cuda")
-    _assert_close(torch.ops.distnorm.backward_sums(*args, "triton"), _fused.backward_sums_composite(*args))
+    _assert_close(got_backward, _fused.backward_sums_composite(*backward))
 
 
 # ------------------------------------------- the backward's element-wise pass (one kernel)
