@@ -73,8 +73,7 @@ def ratio_spread(times: dict[str, list[float]], base: str) -> dict[str, list[flo
     """Each variant's per-round ratio to ``base`` (the same round of an interleaved run) as
     ``[25th percentile, median, 75th percentile]``: how far the load moved the ratio."""
     def quartiles(values: list[float]) -> list[float]:
-        q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
-        return [round(v, 4) for v in q]
+        return statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
 
     return {name: quartiles([t / b for t, b in zip(ts, times[base])]) for name, ts in times.items() if name != base}
 
@@ -103,6 +102,21 @@ def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, device: 
             synchronize(device)
             times[name].append(time.perf_counter() - start)
     return times
+
+
+def shown(value: Any, digits: int = 3) -> Any:
+    """``value`` with every float in it rounded to ``digits`` decimals, for printing.
+
+    The JSON the scripts write keeps every figure at full precision, so that what a reader
+    or a test computes from it (images/s from a step time, a ratio from two medians) is exact;
+    only what is printed for people is rounded, here or in a format string."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: shown(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(shown(v, digits) for v in value)
+    return value
 
 
 def write_json(path: str | None, payload: dict) -> None:

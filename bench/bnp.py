@@ -28,7 +28,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from _common import interleaved_times, machine, ratio_spread, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
+from _common import (interleaved_times, machine, ratio_spread, shown, training_memory_bytes,  # noqa: I001
+                     use_stable_allocator, write_json)
 
 import distnorm
 from distnorm._bnp_functions import bnp_precondition
@@ -95,7 +96,7 @@ def transform_ms(layers: Iterable[nn.Module], repeats: int) -> dict[str, float]:
     ways = {"c_kernel": lambda: [kernel(*a) for a in args],
             "aten": lambda: [bnp_precondition(*a[:5], groups=a[5]) for a in args]}
     times = interleaved_times(ways, repeats, torch.device("cpu"))
-    return {way: round(statistics.median(t) * 1e3, 3) for way, t in times.items()}
+    return {way: statistics.median(t) * 1e3 for way, t in times.items()}
 
 
 def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> dict | None:
@@ -115,16 +116,16 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
            for variant, step in steps.items() if variant != "bnp_aten"}
     entry = {
         "input": [batch, 3, size, size],
-        "median_step_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
-        "step_bnp_vs_plain": round(medians["bnp"] / medians["plain"], 4),
+        "median_step_ms": {k: v * 1e3 for k, v in medians.items()},
+        "step_bnp_vs_plain": medians["bnp"] / medians["plain"],
         "step_bnp_vs_plain_per_round_quartiles": ratio_spread(times, "plain")["bnp"],
         "memory_bytes": mem,
         "memory_method": "cuda peak allocated" if device.type == "cuda" else "params+buffers+grads+optimizer state+saved for backward",
-        "mem_bnp_vs_plain": round(mem["bnp"] / mem["plain"], 4),
+        "mem_bnp_vs_plain": mem["bnp"] / mem["plain"],
         "bnp_layers": len(steps["bnp"].handle.layers),
     }
     if device.type == "cpu":
-        entry["step_bnp_aten_vs_plain"] = round(medians["bnp_aten"] / medians["plain"], 4)
+        entry["step_bnp_aten_vs_plain"] = medians["bnp_aten"] / medians["plain"]
         entry["step_bnp_aten_vs_plain_per_round_quartiles"] = ratio_spread(times, "plain")["bnp_aten"]
         entry["transform_ms"] = transform_ms(steps["bnp"].handle.layers.values(), max(repeats, 5))
     return entry
@@ -146,12 +147,12 @@ def main(argv=None) -> dict:
             print(f"{name}: not available (distnorm.models missing)")
             continue
         results[name] = entry
-        print(f"{name} {tuple(entry['input'])}: step ms {entry['median_step_ms']} -> "
-              f"{entry['step_bnp_vs_plain']}x; memory {entry['memory_bytes']} -> "
-              f"{entry['mem_bnp_vs_plain']}x ({entry['bnp_layers']} BNP layers)")
+        print(f"{name} {tuple(entry['input'])}: step ms {shown(entry['median_step_ms'])} -> "
+              f"{entry['step_bnp_vs_plain']:.4f}x; memory {entry['memory_bytes']} -> "
+              f"{entry['mem_bnp_vs_plain']:.4f}x ({entry['bnp_layers']} BNP layers)")
         if "transform_ms" in entry:
-            print(f"  with DISTNORM_CPU_KERNEL=0: {entry['step_bnp_aten_vs_plain']}x; the gradient transform alone, "
-                  f"ms: {entry['transform_ms']}")
+            print(f"  with DISTNORM_CPU_KERNEL=0: {entry['step_bnp_aten_vs_plain']:.4f}x; the gradient transform alone, "
+                  f"ms: {shown(entry['transform_ms'])}")
     ratios = {
         "step_bnp_vs_plain": results["resnet18"]["step_bnp_vs_plain"],
         "mem_bnp_vs_plain": results["resnet18"]["mem_bnp_vs_plain"],
@@ -163,7 +164,7 @@ def main(argv=None) -> dict:
         ratios["mem_bnp_vs_plain_resnet20"] = results["resnet20"]["mem_bnp_vs_plain"]
     payload = {"benchmark": "bnp", "machine": machine(), "device": str(device), "repeats": repeats,
                "models": results, "ratios": ratios}
-    print(f"ratios: {json.dumps(ratios)}")
+    print(f"ratios: {json.dumps(shown(ratios, 4))}")
     write_json(args.json, payload)
     return payload
 

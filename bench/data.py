@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from _common import interleaved_medians, machine, use_stable_allocator, write_json  # noqa: I001
+from _common import interleaved_medians, machine, shown, use_stable_allocator, write_json  # noqa: I001
 
 from distnorm import data as D
 from distnorm.data.sources import IMAGENET_SHAPES
@@ -96,7 +96,7 @@ def decode_rates(files: list[Path], repeats: int) -> dict[str, float]:
                                       warmup=1)
     finally:
         torch.set_num_threads(threads)
-    return {k: round(len(blobs) / v, 1) for k, v in medians.items()}
+    return {k: len(blobs) / v for k, v in medians.items()}
 
 
 def batch_buffer_ms(shape: tuple[int, ...], repeats: int) -> dict[str, float]:
@@ -114,7 +114,7 @@ def batch_buffer_ms(shape: tuple[int, ...], repeats: int) -> dict[str, float]:
                                       max(repeats, 5) * 3, torch.device("cpu"), warmup=1)
     finally:
         torch.set_num_threads(threads)
-    return {k: round(v * 1e3, 2) for k, v in medians.items()}
+    return {k: v * 1e3 for k, v in medians.items()}
 
 
 def profile_split(loader) -> dict[str, float]:
@@ -141,7 +141,7 @@ def profile_split(loader) -> dict[str, float]:
                 if filename.endswith(ending) and (not name or func == name):
                     split[group] += cumulative if name else own
     split["rest"] = max(total - sum(split.values()), 0.0)
-    return {k: round(v / total, 3) for k, v in split.items()}
+    return {k: v / total for k, v in split.items()}
 
 
 def check_same_tensors(files: list[Path], transform, count: int | None = None) -> bool:
@@ -214,13 +214,13 @@ def main(argv=None) -> dict:
                                               pin_memory=False))
         mean_bytes = sum(f.stat().st_size for f in files) / len(files)
 
-    ips = {k: round(counts[k] / medians[k], 1) for k in fns}
+    ips = {k: counts[k] / medians[k] for k in fns}
     payload = {
         "benchmark": "data",
         "machine": machine(),
         "images": num_images,
-        "mean_shape_hw": [round(sum(s[i] for s in shapes) / len(shapes), 1) for i in (0, 1)],
-        "mean_jpeg_bytes": round(mean_bytes),
+        "mean_shape_hw": [sum(s[i] for s in shapes) / len(shapes) for i in (0, 1)],
+        "mean_jpeg_bytes": mean_bytes,
         "crop": crop,
         "batch_size": args.batch_size,
         "repeats": repeats,
@@ -228,25 +228,26 @@ def main(argv=None) -> dict:
         "images_per_second": ips,
         "same_tensors_as_torchvision_compose": same,
         "decode_only_images_per_second_1_core": decode,
-        "loader_1worker_fraction_of_pil_decode": round(ips["wds_1"] / decode["pil"], 3),
+        "loader_1worker_fraction_of_pil_decode": ips["wds_1"] / decode["pil"],
         "profile_fraction_0_workers": profile,
         "batch_buffer_write_ms": buffers,
-        "scaling_1_to_2_workers": {n: round(ips[f"{n}_2"] / ips[f"{n}_1"], 3) for n in ("wds", "imagefolder")},
+        "scaling_1_to_2_workers": {n: ips[f"{n}_2"] / ips[f"{n}_1"] for n in ("wds", "imagefolder")},
         "ratios": {
-            "wds_vs_imagefolder_1worker": round(ips["wds_1"] / ips["imagefolder_1"], 4),
-            "wds_vs_imagefolder_2workers": round(ips["wds_2"] / ips["imagefolder_2"], 4),
-            "wds_vs_imagefolder_preset_1worker": round(ips["wds_1"] / ips["imagefolder_preset_1"], 4),
-            "wds_vs_imagefolder_preset_2workers": round(ips["wds_2"] / ips["imagefolder_preset_2"], 4),
-            "reduced_vs_full_decode_1worker": round(ips["wds_reduced_1"] / ips["wds_1"], 4),
-            "reduced_vs_full_decode_2workers": round(ips["wds_reduced_2"] / ips["wds_2"], 4),
+            "wds_vs_imagefolder_1worker": ips["wds_1"] / ips["imagefolder_1"],
+            "wds_vs_imagefolder_2workers": ips["wds_2"] / ips["imagefolder_2"],
+            "wds_vs_imagefolder_preset_1worker": ips["wds_1"] / ips["imagefolder_preset_1"],
+            "wds_vs_imagefolder_preset_2workers": ips["wds_2"] / ips["imagefolder_preset_2"],
+            "reduced_vs_full_decode_1worker": ips["wds_reduced_1"] / ips["wds_1"],
+            "reduced_vs_full_decode_2workers": ips["wds_reduced_2"] / ips["wds_2"],
         },
     }
-    print(f"images/s: {ips}")
-    print(f"decode only, 1 core: {decode}; loader (1 worker) = {payload['loader_1worker_fraction_of_pil_decode']} of PIL's")
-    print(f"profile (0 workers): {profile}")
-    print(f"a batch written into a fresh / a reused shared buffer, ms: {buffers}")
+    print(f"images/s: {shown(ips, 1)}")
+    print(f"decode only, 1 core: {shown(decode, 1)}; loader (1 worker) = "
+          f"{payload['loader_1worker_fraction_of_pil_decode']:.3f} of PIL's")
+    print(f"profile (0 workers): {shown(profile)}")
+    print(f"a batch written into a fresh / a reused shared buffer, ms: {shown(buffers, 2)}")
     print(f"same tensors as torchvision's Compose: {same}")
-    print(f"ratios: {json.dumps(payload['ratios'])}")
+    print(f"ratios: {json.dumps(shown(payload['ratios'], 4))}")
     write_json(args.json, payload)
     return payload
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from _common import machine, use_stable_allocator, write_json  # noqa: I001
+from _common import machine, shown, use_stable_allocator, write_json  # noqa: I001
 
 from distnorm.data.sources import IMAGENET_SHAPES, SyntheticSource
 from distnorm.data.transforms import build_transform
@@ -104,13 +104,13 @@ def main(argv=None) -> dict:
         "batch_size": batch,
         "crop": crop,
         "repeats": repeats,
-        "images_per_second": {k: round(v, 1) for k, v in rates.items()},
-        "ratios": {"deferred_vs_pil_1_core": round(rates["deferred"] / rates["pil_1_core"], 3),
-                   "finish_only_vs_pil_1_core": round(rates["finish_only"] / rates["pil_1_core"], 3)},
-        "mean_abs_diff_vs_pil": round(sum(diffs) / len(diffs), 5),
+        "images_per_second": rates,
+        "ratios": {"deferred_vs_pil_1_core": rates["deferred"] / rates["pil_1_core"],
+                   "finish_only_vs_pil_1_core": rates["finish_only"] / rates["pil_1_core"]},
+        "mean_abs_diff_vs_pil": sum(diffs) / len(diffs),
     }
-    print(f"images/s: {payload['images_per_second']}; ratios {payload['ratios']}; "
-          f"mean |device - PIL| {payload['mean_abs_diff_vs_pil']}")
+    print(f"images/s: {shown(rates, 1)}; ratios {shown(payload['ratios'])}; "
+          f"mean |device - PIL| {payload['mean_abs_diff_vs_pil']:.5f}")
     write_json(args.json, payload)
     return payload
 

@@ -382,6 +382,10 @@ def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f}"
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
 def _status_line(part: dict) -> str:
     return f"{part['status']}: {part.get('reason', '')}".rstrip(": ")
 
@@ -451,8 +455,8 @@ def _profile_lines(profile: dict) -> list[str]:
               "nears its wall time is bound by the host).", "",
               "| model | variant | step ms | host ms | kernels ms | kernels |", "|---|---|---|---|---|---|"]
     for model, variants in r["models"].items():
-        lines += [f"| {model} | {variant} | {e['wall_ms']} | {e['host_ms']} | {e['device_kernel_ms']} | {e['kernels']} |"
-                  for variant, e in variants.items()]
+        lines += [f"| {model} | {variant} | {e['wall_ms']:.1f} | {e['host_ms']:.1f} | {_ms(e['device_kernel_ms'])} | "
+                  f"{e['kernels']} |" for variant, e in variants.items()]
     return lines + [""]
 
 
@@ -507,7 +511,7 @@ def markdown(report: dict) -> str:
     else:
         r = decode["result"]
         lines += [f"`{decode['command']}`: {r['images']} images, batch {r['batch_size']}, crop {r['crop']}; "
-                  f"mean |device - PIL| {r['mean_abs_diff_vs_pil']} (normalized units).", "",
+                  f"mean |device - PIL| {r['mean_abs_diff_vs_pil']:.5f} (normalized units).", "",
                   "| path | images/s | × PIL on 1 core |", "|---|---|---|"]
         ips = r["images_per_second"]
         lines += [f"| {name} | {ips[name]:.0f} | {ips[name] / ips['pil_1_core']:.2f} |" for name in ips] + [""]

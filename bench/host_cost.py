@@ -39,7 +39,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _common import machine, synchronize, write_json  # noqa: I001  (sets sys.path)
+from _common import machine, shown, synchronize, write_json  # noqa: I001  (sets sys.path)
 from layers import layer_steps, make_layers
 
 LAYERS = ("batchnorm2d", "cbn", "popnorm", "syncbn")
@@ -123,9 +123,8 @@ def python_profile(step, iters: int, top: int) -> list[dict]:
     rows = []
     for (path, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
         where = path.split("site-packages/")[-1].split("/work/main/")[-1]
-        rows.append({"function": f"{where}:{line}({name})", "calls_per_step": round(calls / iters, 2),
-                     "own_us_per_step": round(tottime / iters * 1e6, 2),
-                     "cumulative_us_per_step": round(cumtime / iters * 1e6, 2)})
+        rows.append({"function": f"{where}:{line}({name})", "calls_per_step": calls / iters,
+                     "own_us_per_step": tottime / iters * 1e6, "cumulative_us_per_step": cumtime / iters * 1e6})
     return sorted(rows, key=lambda r: r["own_us_per_step"], reverse=True)[:top]
 
 
@@ -149,23 +148,22 @@ def main(argv=None) -> dict:
             times[key].append(host_us(timed[key], args.iters, device))
     medians = {key: statistics.median(ts) for key, ts in times.items()}
     base = medians["batchnorm2d"]
-    replayed = {name: {"ops": len(ops), "ops_us": round(medians["ops", name], 1),
-                       "rest_us": round(medians[name] - medians["ops", name], 1),
-                       "per_op_us": [[str(op[0]), round(medians["op", name, i], 1)] for i, op in enumerate(ops)]}
+    replayed = {name: {"ops": len(ops), "ops_us": medians["ops", name], "rest_us": medians[name] - medians["ops", name],
+                       "per_op_us": [[str(op[0]), medians["op", name, i]] for i, op in enumerate(ops)]}
                 for name, ops in calls.items()}
     payload = {"benchmark": "host_cost", "machine": machine(), "device": str(device),
                "config": {"shape": args.shape, "channels_last": True, "iters": args.iters, "rounds": args.rounds,
                           "replay": args.replay},
-               "us_per_step": {k: round(medians[k], 1) for k in steps},
-               "extra_us_vs_batchnorm2d": {k: round(medians[k] - base, 1) for k in steps},
+               "us_per_step": {k: medians[k] for k in steps},
+               "extra_us_vs_batchnorm2d": {k: medians[k] - base for k in steps},
                "host_syncs": {name: first_host_sync(step, device) for name, step in steps.items()},
                "replay": replayed,
                "profiles": {}}
-    print(f"host us per forward+backward, {tuple(args.shape)} channels_last on {device}: {payload['us_per_step']}")
+    print(f"host us per forward+backward, {tuple(args.shape)} channels_last on {device}: {shown(payload['us_per_step'], 1)}")
     print(f"first host sync per step: {payload['host_syncs']}")
     for name, r in replayed.items():
-        print(f"{name}: its {r['ops']} operators alone {r['ops_us']} us, the rest {r['rest_us']} us; "
-              + ", ".join(f"{op} {us}" for op, us in r["per_op_us"]))
+        print(f"{name}: its {r['ops']} operators alone {r['ops_us']:.1f} us, the rest {r['rest_us']:.1f} us; "
+              + ", ".join(f"{op} {us:.1f}" for op, us in r["per_op_us"]))
     for name in args.profile:
         rows = payload["profiles"][name] = python_profile(steps[name], args.iters, args.top)
         print(f"{name}: costliest Python functions (own us per step, calls per step)")

@@ -29,8 +29,8 @@ from layers import LR, layer_steps, make_layers
 
 def _summary(times: dict[str, list[float]]) -> dict:
     medians = {k: statistics.median(v) for k, v in times.items()}
-    return {"median_ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
-            "ratio_vs_batchnorm2d": {k: round(v / medians["batchnorm2d"], 3) for k, v in medians.items()}}
+    return {"median_ms": {k: v * 1e3 for k, v in medians.items()},
+            "ratio_vs_batchnorm2d": {k: v / medians["batchnorm2d"] for k, v in medians.items()}}
 
 
 def measure(shape: tuple[int, ...], channels_last: bool, repeats: int, evict_bytes: int) -> dict:
@@ -70,7 +70,7 @@ def main(argv=None) -> dict:
     payload = {"benchmark": "layer_regimes", "machine": machine(), "threads": args.threads, "lr": LR,
                **measure(shape, not args.contiguous, repeats, args.evict_mib << 20)}
     for regime in ("back_to_back", "rotated", "evicted"):
-        print(f"{regime:>12}: " + ", ".join(f"{k} {v}x" for k, v in payload[regime]["ratio_vs_batchnorm2d"].items()))
+        print(f"{regime:>12}: " + ", ".join(f"{k} {v:.3f}x" for k, v in payload[regime]["ratio_vs_batchnorm2d"].items()))
     write_json(args.json, payload)
     return payload
 

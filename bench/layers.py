@@ -31,7 +31,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from _common import interleaved_times, machine, ratio_spread, run_ranks, use_stable_allocator, write_json  # noqa: I001  (sets sys.path)
+from _common import (interleaved_times, machine, ratio_spread, run_ranks, shown,  # noqa: I001  (sets sys.path)
+                     use_stable_allocator, write_json)
 
 import distnorm
 from tests.dispatch import CollectiveCounter, OpCounter
@@ -123,10 +124,10 @@ def time_layers(shape, device, repeats) -> dict:
     return {
         "shape": list(shape),
         "memory_format": layout,
-        "median_ms": {k: round(v * 1e3, 4) for k, v in medians.items()},
-        "ratio_vs_batchnorm2d": {k: round(v / base, 4) for k, v in medians.items()},
+        "median_ms": {k: v * 1e3 for k, v in medians.items()},
+        "ratio_vs_batchnorm2d": {k: v / base for k, v in medians.items()},
         "ratio_per_round_quartiles": ratio_spread(times, "batchnorm2d"),
-        "naive_vs_cbn": round(medians["naive_cbn"] / medians["cbn"], 3),
+        "naive_vs_cbn": medians["naive_cbn"] / medians["cbn"],
         "saved_for_backward_bytes": {name: saved_bytes(layer, x) for name, layer in layers.items()},
         "dispatched_ops_per_step": {name: dispatched_ops(layer, x, grad) for name, layer in layers.items()
                                     if name != "naive_cbn"},
@@ -202,13 +203,14 @@ def main(argv=None) -> dict:
         },
     }
     for entry in per_shape:
-        print(f"shape {tuple(entry['shape'])} {entry['memory_format']}: median fwd+bwd ms {entry['median_ms']}")
-        print(f"  ratio vs BatchNorm2d {entry['ratio_vs_batchnorm2d']}; CBN is {entry['naive_vs_cbn']}x faster than naive")
-        print(f"  per-round ratio quartiles {entry['ratio_per_round_quartiles']}")
+        print(f"shape {tuple(entry['shape'])} {entry['memory_format']}: median fwd+bwd ms {shown(entry['median_ms'], 4)}")
+        print(f"  ratio vs BatchNorm2d {shown(entry['ratio_vs_batchnorm2d'], 4)}; "
+              f"CBN is {entry['naive_vs_cbn']:.3f}x faster than naive")
+        print(f"  per-round ratio quartiles {shown(entry['ratio_per_round_quartiles'], 4)}")
         print(f"  saved for backward (input {entry['input_bytes']} B): {entry['saved_for_backward_bytes']}")
         print(f"  dispatched ATen ops, activation passes per step: {entry['dispatched_ops_per_step']}")
     print(f"collectives per layer per step, 2 ranks: {payload['collectives_2_ranks']['per_layer_per_step']}")
-    print(f"ratios: {payload['ratios']}")
+    print(f"ratios: {shown(payload['ratios'], 4)}")
     write_json(args.json, payload)
     return payload
 

@@ -34,7 +34,7 @@ from torch import nn
 
 import distnorm
 from distnorm import _folding
-from _common import interleaved_times, machine, ratio_spread, use_stable_allocator, write_json  # noqa: I001
+from _common import interleaved_times, machine, ratio_spread, shown, use_stable_allocator, write_json  # noqa: I001
 from step import build
 
 #: Each part: its model, and its input (batch, side) at full size and in the smoke sizes.
@@ -96,8 +96,8 @@ def measure(part: str, models: dict[str, nn.Module], batch: int, side: int, clas
     medians = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     return {
         "model": PARTS[part]["model"], "input": [batch, 3, side, side], "baseline": base,
-        "median_step_ms": {name: round(ms, 3) for name, ms in medians.items()},
-        "ratio": {name: round(ms / medians[base], 4) for name, ms in medians.items() if name != base},
+        "median_step_ms": medians,
+        "ratio": {name: ms / medians[base] for name, ms in medians.items() if name != base},
         "ratio_per_round_quartiles": ratio_spread(times, base),
         "parameters": {name: sum(1 for _ in model.parameters()) for name, model in models.items()},
         "frozen": {name: _frozen(model) for name, model in models.items()},
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     for part, make, classes in (("cbn_stem", _cbn_models, 10), ("bnp_biases", _bnp_models, 1000)):
         batch, side = PARTS[part]["smoke_input" if args.smoke else "input"]
         result["parts"][part] = r = measure(part, make(), batch, side, classes, repeats)
-        print(f"{part} {tuple(r['input'])}: step ms {r['median_step_ms']} -> {r['ratio']} vs {r['baseline']}")
+        print(f"{part} {tuple(r['input'])}: step ms {shown(r['median_step_ms'])} -> {shown(r['ratio'], 4)} "
+              f"vs {r['baseline']}")
     write_json(args.json, result)
     return result
 

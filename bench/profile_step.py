@@ -85,14 +85,13 @@ def profile_variant(step, device: torch.device, repeats: int, top: int) -> dict:
         by_kernel.setdefault(e.name, []).append(_kernel_us(e))
     top_kernels = sorted(by_kernel.items(), key=lambda kv: sum(kv[1]), reverse=True)[:top]
     return {
-        "wall_ms": round(statistics.median(walls) * 1e3, 3),
-        "host_ms": round(statistics.median(hosts) * 1e3, 3),
+        "wall_ms": statistics.median(walls) * 1e3,
+        "host_ms": statistics.median(hosts) * 1e3,
         # the kernels themselves: the operator table would count each twice (under its op and as itself)
-        "device_kernel_ms": round(sum(map(_kernel_us, kernels)) / 1e3, 3) if device.type == "cuda" else None,
+        "device_kernel_ms": sum(map(_kernel_us, kernels)) / 1e3 if device.type == "cuda" else None,
         "kernels": len(kernels) if device.type == "cuda" else None,
-        "host_ops": [{"op": e.key, "self_host_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": e.count}
-                     for e in ops],
-        "device_kernels": [{"kernel": name[:120], "device_ms": round(sum(ts) / 1e3, 3), "calls": len(ts)}
+        "host_ops": [{"op": e.key, "self_host_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in ops],
+        "device_kernels": [{"kernel": name[:120], "device_ms": sum(ts) / 1e3, "calls": len(ts)}
                            for name, ts in top_kernels],
     }
 
@@ -122,10 +121,11 @@ def main(argv=None) -> dict:
                 step()
             synchronize(device)
             r = results[variant] = profile_variant(step, device, args.repeats, args.top)
+            kernel_ms = "n/a" if r["device_kernel_ms"] is None else f"{r['device_kernel_ms']:.2f}"
             print(f"{name} {variant}: wall {r['wall_ms']:.2f} ms, host {r['host_ms']:.2f} ms, "
-                  f"device kernels {r['device_kernel_ms']} ms in {r['kernels']} kernels", flush=True)
-            print("  host ops:", ", ".join(f"{o['op']} {o['self_host_ms']}ms/{o['calls']}" for o in r["host_ops"]))
-            print("  kernels:", ", ".join(f"{k['kernel'][:60]} {k['device_ms']}ms/{k['calls']}"
+                  f"device kernels {kernel_ms} ms in {r['kernels']} kernels", flush=True)
+            print("  host ops:", ", ".join(f"{o['op']} {o['self_host_ms']:.3f}ms/{o['calls']}" for o in r["host_ops"]))
+            print("  kernels:", ", ".join(f"{k['kernel'][:60]} {k['device_ms']:.3f}ms/{k['calls']}"
                                           for k in r["device_kernels"]), flush=True)
             del model, step
             if device.type == "cuda":

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from _common import machine, run_ranks, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
+from _common import machine, run_ranks, shown, training_memory_bytes, use_stable_allocator, write_json  # noqa: I001
 from peers import naive_sync  # noqa: I001
 
 from tests.dispatch import CollectiveCounter
@@ -163,20 +163,20 @@ def _worker(rank: int, world: int, store: str, quick: bool, repeats: int, out) -
                 times[variant].append(time.perf_counter() - start)
         medians = {v: statistics.median(t) for v, t in times.items()}
         # per-round ratios to the peer (same round, interleaved): how far the load moved them
-        spread = {v: [round(q, 4) for q in statistics.quantiles(
-            [a / b for a, b in zip(times[v], times["naive_syncbn"])], n=4, method="inclusive")]
-            for v in ("cbn", "syncbn")} if repeats > 1 else {}
+        spread = {v: statistics.quantiles([a / b for a, b in zip(times[v], times["naive_syncbn"])], n=4,
+                                          method="inclusive")
+                  for v in ("cbn", "syncbn")} if repeats > 1 else {}
         floor = {v: medians["local_bn"] + counts[v]["collectives"] * latency_ms / 1e3 for v in SYNCED}
         results[name] = {
-            "collective_floor_ms": {v: round(f * 1e3, 3) for v, f in floor.items()},
-            "ratio_vs_floor": {v: round(medians[v] / f, 4) for v, f in floor.items()},
+            "collective_floor_ms": {v: f * 1e3 for v, f in floor.items()},
+            "ratio_vs_floor": {v: medians[v] / f for v, f in floor.items()},
             "input_per_rank": [batch, 3, side, side],
-            "median_step_ms": {v: round(t * 1e3, 3) for v, t in medians.items()},
-            "ratio_vs_local_bn": {v: round(t / medians["local_bn"], 4) for v, t in medians.items()},
+            "median_step_ms": {v: t * 1e3 for v, t in medians.items()},
+            "ratio_vs_local_bn": {v: t / medians["local_bn"] for v, t in medians.items()},
             "ratio_vs_naive_syncbn_per_round_quartiles": spread,
             "distnorm_collectives_per_step": counts,
             "memory_bytes": mem,
-            "memory_ratio_vs_local_bn": {v: round(m / mem["local_bn"], 4) for v, m in mem.items()},
+            "memory_ratio_vs_local_bn": {v: m / mem["local_bn"] for v, m in mem.items()},
         }
     if rank == 0:
         out.put({"results": results, "device": str(device), "backend": dist.get_backend(), "latency_ms": latency_ms})
@@ -200,19 +200,19 @@ def main(argv=None) -> dict:
         for variant in VARIANTS[1:]:
             ratios[f"step_{variant}_vs_local_bn{suffix}"] = r["ratio_vs_local_bn"][variant]
         for variant in ("cbn", "syncbn"):
-            ratios[f"step_{variant}_vs_naive_syncbn{suffix}"] = round(
-                r["median_step_ms"][variant] / r["median_step_ms"]["naive_syncbn"], 4)
+            ratios[f"step_{variant}_vs_naive_syncbn{suffix}"] = (
+                r["median_step_ms"][variant] / r["median_step_ms"]["naive_syncbn"])
             ratios[f"step_{variant}_vs_floor{suffix}"] = r["ratio_vs_floor"][variant]
     payload = {"benchmark": "step", "machine": machine(), "device": got["device"], "backend": got["backend"],
                "world_size": args.world_size, "repeats": repeats,
-               "small_all_reduce_latency_ms": round(got["latency_ms"], 3), "models": results, "ratios": ratios}
+               "small_all_reduce_latency_ms": got["latency_ms"], "models": results, "ratios": ratios}
     for name, r in results.items():
-        print(f"{name} {tuple(r['input_per_rank'])} per rank: step ms {r['median_step_ms']}")
-        print(f"  ratio vs local BN {r['ratio_vs_local_bn']}; memory ratio {r['memory_ratio_vs_local_bn']}")
-        print(f"  ratio vs collective floor {r['ratio_vs_floor']}")
+        print(f"{name} {tuple(r['input_per_rank'])} per rank: step ms {shown(r['median_step_ms'])}")
+        print(f"  ratio vs local BN {shown(r['ratio_vs_local_bn'])}; memory ratio {shown(r['memory_ratio_vs_local_bn'])}")
+        print(f"  ratio vs collective floor {shown(r['ratio_vs_floor'])}")
         print(f"  distnorm collectives per step {r['distnorm_collectives_per_step']}")
     print(f"one all-reduce of 129 float64 values: {got['latency_ms']:.3f} ms")
-    print(f"ratios: {json.dumps(ratios)}")
+    print(f"ratios: {json.dumps(shown(ratios, 4))}")
     write_json(args.json, payload)
     return payload
 

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from _common import interleaved_medians, machine, synchronize  # noqa: I001  (sets sys.path)
+from _common import interleaved_medians, machine, shown, synchronize  # noqa: I001  (sets sys.path)
 from step import build  # noqa: I001
 
 import distnorm
@@ -163,16 +163,16 @@ def run_block(name: str, mode: str, args: argparse.Namespace, device: torch.devi
         peak[variant, member_mode] = peak_step_bytes(step, device, before)
         steps[variant, member_mode] = step
         print(f"  {name} {variant} {member_mode}: first step {first[variant, member_mode]:.1f} s", flush=True)
-        built(variant, member_mode, round(first[variant, member_mode], 2))
+        built(variant, member_mode, first[variant, member_mode])
     medians = interleaved_medians(steps, args.repeats, device, warmup=1)
     base = medians[BASELINE]
-    table = {variant: {member_mode: {"median_step_ms": round(medians[variant, member_mode] * 1e3, 3),
-                                     "ratio_vs_local_bn_eager": round(medians[variant, member_mode] / base, 4),
-                                     "images_per_s": round(args.batch / medians[variant, member_mode], 1),
+    table = {variant: {member_mode: {"median_step_ms": medians[variant, member_mode] * 1e3,
+                                     "ratio_vs_local_bn_eager": medians[variant, member_mode] / base,
+                                     "images_per_s": args.batch / medians[variant, member_mode],
                                      "peak_memory_bytes": peak[variant, member_mode],
-                                     "first_step_s": round(first[variant, member_mode], 2)}}
+                                     "first_step_s": first[variant, member_mode]}}
              for variant, member_mode in steps if member_mode == mode}
-    return {"baseline_ms": round(base * 1e3, 3), "variants": table}
+    return {"baseline_ms": base * 1e3, "variants": table}
 
 
 def write_atomically(path: str | None, payload: dict) -> None:
@@ -255,7 +255,7 @@ def main(argv=None) -> dict:
                 mem = f"{e['peak_memory_bytes'] / 2**30:.2f} GiB" if e["peak_memory_bytes"] is not None else "n/a"
                 print(f"  {variant:9s} {mode:8s} {e['median_step_ms']:10.2f} ms  x{e['ratio_vs_local_bn_eager']:.3f}  "
                       f"{e['images_per_s']:9.1f} img/s  peak {mem}")
-    print(f"ratios: {json.dumps(payload['ratios'])}")
+    print(f"ratios: {json.dumps(shown(payload['ratios'], 4))}")
     write_atomically(args.json, payload)
     if args.json:
         print(f"wrote {args.json}")
