@@ -28,7 +28,7 @@ from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm.specs import BNPSpec
 
 __all__ = ["BNPGradientFunction", "BNPLayerState", "bnp_precondition", "bnp_q2", "check_precondition_arguments",
-           "layer_statistics"]
+           "layer_statistics", "running_update"]
 
 
 @dataclass(eq=False)
@@ -100,32 +100,40 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
     if replay and in_backward() and len(state.stash):
         return state.stash.pop(h.shape, f"BNP '{state.name}'")
     moments = _fused.synced_moments(h, state.group(), f"BNP '{state.name}'")  # at the group's first step: its vote
+    result = running_update(moments, h, mean_buf, var_buf, state.config)
+    if replay:
+        stashed = StashedPlan(result, h.shape)
+        state.stash.push(stashed, grad_enabled=True)
+        state.pending = stashed
+    return result
+
+
+def running_update(moments: _collectives.Moments, h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Tensor,
+                   cfg: BNPSpec) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The arithmetic of :func:`layer_statistics` from the global ``moments`` of ``h``
+    (eager, and as ``torch.compile`` traces it: :func:`distnorm._traced.bnp_statistics`):
+    the buffers updated in place; returns ``(mean, var_t, count)``."""
     count, batch_mean, batch_var, _ = moments
     local = h.numel() // h.shape[1] if h.shape[1] else 0
-    cfg = state.config
     weight = 1.0 - cfg.decay
+    old_mean, old_var = _fused.before_update(mean_buf), _fused.before_update(var_buf)
     batch_mean = batch_mean.to(mean_buf.dtype)
     if local <= 1:
         # A global batch of one value per feature: the variance is measured around the
         # running mean instead (paper 004 §3.3); an all-empty batch changes nothing.
         if isinstance(count, int):  # local statistics: the host knows the count (no sync)
             if count == 1:
-                batch_var = (batch_mean - mean_buf) ** 2
+                batch_var = (batch_mean - old_mean) ** 2
             weight = weight if count > 0 else 0.0
         else:
-            batch_var = torch.where(count == 1, (batch_mean - mean_buf) ** 2, batch_var.to(var_buf.dtype))
+            batch_var = torch.where(count == 1, (batch_mean - old_mean) ** 2, batch_var.to(var_buf.dtype))
             weight = weight * (count > 0).to(mean_buf.dtype)
-    new_mean = mean_buf.lerp(batch_mean, weight)
-    new_var = var_buf.lerp(batch_var.to(var_buf.dtype), weight)
+    new_mean = old_mean.lerp(batch_mean, weight)
+    new_var = old_var.lerp(batch_var.to(var_buf.dtype), weight)
     mean_buf.copy_(new_mean)
     var_buf.copy_(new_var)
     var_t = torch.add(new_var, new_var.max(), alpha=cfg.eps1).add_(cfg.eps2)
-    result = (new_mean, var_t, count if isinstance(count, int) else count[0])
-    if replay:
-        stashed = StashedPlan(result, h.shape)
-        state.stash.push(stashed, grad_enabled=True)
-        state.pending = stashed
-    return result
+    return new_mean, var_t, count if isinstance(count, int) else count[0]
 
 
 class BNPGradientFunction(torch.autograd.Function):

@@ -67,6 +67,8 @@ __all__ = [
     "norm_group",
     "stable_hash",
     "sync_group",
+    "traced_all_reduce_sum",
+    "traced_moments",
 ]
 
 ProcessGroup = dist.ProcessGroup if dist.is_available() else object
@@ -280,7 +282,13 @@ _CONSTANTS: dict[tuple[float, int, torch.dtype, torch.device], torch.Tensor] = {
 
 
 def constant(value: float, channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached, read-only ``(channels,)`` tensor filled with ``value`` (no op per step)."""
+    """A cached, read-only ``(channels,)`` tensor filled with ``value`` (no op per step).
+
+    Under ``torch.compile`` a fill in the graph instead, which Inductor folds into the kernels
+    that read it: a cache entry made while tracing would change the dictionary the graph's
+    guards read, and recompile the graph at its next call."""
+    if torch.compiler.is_compiling():
+        return torch.full((channels,), value, dtype=dtype, device=device)
     key = (value, channels, dtype, device)
     t = _CONSTANTS.get(key)
     if t is None:
@@ -466,13 +474,7 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
             _check_statistics(torch.stack([mean.double(), var.double()]), layer, training, float(local_count))
         return Moments(local_count, mean, var, local_count > 1)
 
-    if local_count > 0:
-        mean, var = local_moments(x, cpu_kernel)
-        m64 = mean.double()
-        packed = torch.stack([m64, torch.addcmul(var, m64, m64), constant(1.0, channels, torch.float64, x.device)])
-        packed.mul_(local_count)
-    else:
-        packed = torch.zeros(3, channels, dtype=torch.float64, device=x.device)
+    packed = _packed(local_moments(x, cpu_kernel) if local_count > 0 else None, local_count, channels, x.device)
     if piggyback is not None:
         k = piggyback.numel()
         packed[2, :k] += piggyback
@@ -482,7 +484,23 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
         packed[2, :k] = packed[2, k]
     if _debug.is_debug():
         _check_statistics(packed[:2], layer, training, float(packed[2, 0]) if channels else 0.0)
+    return _unpacked(packed, local_count, acc)
 
+
+def _packed(moments: tuple[torch.Tensor, torch.Tensor] | None, local_count: int, channels: int,
+            device: torch.device) -> torch.Tensor:
+    """The statistics all-reduce's payload ``n_r * [m_r, v_r + m_r**2, 1]`` (float64, ``(3,
+    C)``) from this rank's ``(mean, var)``, or zeros for a rank without samples."""
+    if moments is None:
+        return torch.zeros(3, channels, dtype=torch.float64, device=device)
+    mean, var = moments
+    m64 = mean.double()
+    packed = torch.stack([m64, torch.addcmul(var, m64, m64), constant(1.0, channels, torch.float64, device)])
+    return packed.mul_(local_count)
+
+
+def _unpacked(packed: torch.Tensor, local_count: int, acc: torch.dtype) -> Moments:
+    """The global :class:`Moments` from the all-reduced payload of :func:`_packed`."""
     count = packed[2]
     # Only a rank with at most one value of its own can see an all-empty global batch:
     # elsewhere the count is >= 2 and needs no guard against 0 / 0.
@@ -491,6 +509,52 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     var = torch.addcmul(ex2, mean, mean, value=-1.0).clamp_min_(0.0)
     valid: bool | torch.Tensor = True if local_count > 1 else count > 1
     return Moments(count.to(acc), mean.to(acc), var.to(acc), valid)
+
+
+def traced_moments(x: torch.Tensor, group: ProcessGroup | None, layer: str) -> Moments:
+    """:func:`global_moments` as ``torch.compile`` traces it and a CUDA graph replays it: the
+    local statistics as ATen's ``var_mean`` (a reduction Inductor generates and fuses with
+    what produced ``x``), the same float64 payload, ONE functional all-reduce in a frame
+    (:func:`traced_all_reduce_sum`). No host decision depends on a value: the kernel vote
+    of the eager path is not needed (the compiler chooses every kernel, the same on every
+    rank), nor possible (it reads the vote on the host)."""
+    _refuse_debug_mode(layer)
+    channels = x.shape[1]
+    acc = accumulate_dtype(x)
+    local_count = x.numel() // channels if channels else 0
+    local = None
+    if local_count > 0:
+        dims = [0, *range(2, x.dim())]
+        var, mean = torch.var_mean(x.to(acc), dims, correction=0)
+        local = (mean, var)
+    if group is None:
+        if local is None:
+            mean, var = torch.zeros(2, channels, dtype=acc, device=x.device).unbind()
+            return Moments(0, mean, var, False)
+        return Moments(local_count, local[0], local[1], local_count > 1)
+    packed = traced_all_reduce_sum(_packed(local, local_count, channels, x.device), group,
+                                   slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype))
+    return _unpacked(packed, local_count, acc)
+
+
+def traced_all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: str,
+                          shape: tuple[int, torch.dtype]) -> torch.Tensor:
+    """:func:`all_reduce_sum` as ``torch.compile`` traces it and a CUDA graph captures it: a
+    new tensor (the functional all-reduce, :func:`distnorm._frames.traced_reduce`), ``tensor``
+    itself for ``None``. The frame's fingerprints are compared on the device and a mismatch
+    is kept for :func:`check_frames`; the device check of :func:`check_collective_device` is
+    the eager path's (a host-side dictionary the graph cannot keep)."""
+    if group is None:
+        return tensor
+    return _frames.traced_reduce(tensor, group, slot, shape, dist.get_rank(group), group_size(group))
+
+
+def _refuse_debug_mode(layer: str) -> None:
+    if _debug.is_debug():
+        raise RuntimeError(
+            f"{layer}: distnorm.debug() reads every collective's fingerprint and the batch statistics on the host "
+            "at each step, which a compiled graph or a captured CUDA graph cannot do. Debug the model eagerly "
+            "(without torch.compile or CUDA-graph capture), or leave debug mode off.")
 
 
 def _check_statistics(sums: torch.Tensor, layer: str, training: bool, count: float) -> None:

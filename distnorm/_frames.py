@@ -45,7 +45,8 @@ import torch.distributed as dist
 from distnorm._release import released
 from distnorm.errors import CollectiveMismatchError
 
-__all__ = ["add_name_source", "check_pending", "compare_at_once", "frame_length", "reduce", "reserve", "slot_hash"]
+__all__ = ["add_name_source", "check_pending", "compare_at_once", "frame_length", "reduce", "reserve", "slot_hash",
+           "traced_reduce"]
 
 #: dtype codes of the shape entry (the input's dtype is part of the slot).
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -189,7 +190,7 @@ def reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, shape: t
     tensor.copy_(frame.payload)
     if compare_at_once(tensor.device):
         if not torch.equal(frame.header, header.expected):
-            _raise(frame.header, header)
+            _raise(frame.header)
     else:
         _PENDING.record(frame.header, header)
     return tensor
@@ -203,7 +204,7 @@ def compare_at_once(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _raise(received: torch.Tensor, header: _Header) -> None:
+def _raise(received: torch.Tensor) -> None:
     values = [int(v) for v in received.tolist()]  # the error path: a host read is fine here
     size = len(values) // 2
     lines = [f"  rank {r}: {_name_of(values[r])} ({_describe_shape(values[size + r])})" for r in range(size)]
@@ -265,7 +266,7 @@ class _Pending:
         self._frames.popleft()
         if not torch.equal(host, header.expected_host):
             self._frames.clear()
-            _raise(host, header)
+            _raise(host)
         return True
 
     def __len__(self) -> int:
@@ -276,8 +277,94 @@ _PENDING = _Pending()
 
 
 def check_pending() -> None:
-    """Compare every frame still unchecked (GPU), waiting for them: the plugin's periodic
-    check calls it at a step where it synchronises anyway. Raises
-    :class:`CollectiveMismatchError` naming each rank's layer. Free on the CPU (nothing
+    """Compare every frame still unchecked (GPU), waiting for them, and read the logs of the
+    compiled and captured collectives (:func:`traced_reduce`): the plugin's periodic check
+    calls it at a step where it synchronises anyway. Raises :class:`CollectiveMismatchError`
+    naming each rank's layer. Free on the CPU without compiled collectives (nothing
     pending: gloo frames are checked as they return)."""
     _PENDING.check(wait=True)
+    _check_logs()
+
+
+# ------------------------------------------------------------------ traced frames
+def _marked_constant(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result(fn)`` without importing ``torch._dynamo`` (2 s)
+    when distnorm is imported: that decorator only sets this attribute
+    (``torch/_dynamo/decorators.py``, ``assume_constant_result``; ``tests/test_compile.py``
+    checks that it still does). Dynamo then calls ``fn`` while tracing and puts its result in
+    the graph as a constant: no guard on what ``fn`` reads, no graph op for it."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_marked_constant
+def _fingerprints(slot: str, channels: int, dtype: torch.dtype) -> tuple[int, int]:
+    """The slot's fingerprint and shape code (:func:`slot_hash`: a hash the compiler cannot
+    trace). Integers below ``2**53``: exact in the float64 header, and constants to Dynamo
+    (a float would become an input of the graph)."""
+    _ISSUED.setdefault(slot_hash(slot), "|".join(slot.split("|")[:2]))
+    return slot_hash(slot), _shape_code(channels, dtype)
+
+
+#: :func:`frame_length` read once when the graph is traced (the same on every rank tracing the
+#: same model), never a guard or a mutation inside the graph.
+_traced_frame_length = _marked_constant(lambda payload: frame_length(payload))
+
+
+#: Per device and group size, the first mismatched frame a traced or captured collective
+#: received (:func:`traced_reduce`): ``[1, header...]``, zeros while none.
+_LOGS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+@_marked_constant
+def _log(device: str, size: int) -> torch.Tensor:
+    """The frame log of ``device`` for groups of ``size`` ranks: made once, outside any
+    graph (a constant of the compiled graphs, a static address for CUDA graphs), and
+    written by the graphs on the device."""
+    key = (device, size)
+    if key not in _LOGS:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("distnorm: a synchronized layer's first collective on this device is being captured "
+                               "into a CUDA graph; run one training step before capturing (as torch.cuda.graph's "
+                               "warm-up on a side stream does), so that its frame log exists outside the graph")
+        _LOGS[key] = torch.zeros(1 + 2 * size, dtype=torch.float64, device=device)
+    return _LOGS[key]
+
+
+def traced_reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, shape: tuple[int, torch.dtype],
+                  rank: int, size: int) -> torch.Tensor:
+    """:func:`reduce` for a compiled graph or a captured CUDA graph: the same frame (payload
+    padded to the process's width, then the header of every rank's fingerprint), summed by
+    ONE functional all-reduce (``torch.distributed._functional_collectives``: traced by
+    ``torch.compile`` as a collective, and captured by CUDA graphs on NCCL), and the sum of
+    ``tensor`` returned as a new tensor.
+
+    Reading the header on the host would stop the graph, so it is compared on the device,
+    and the first mismatched header is written to the device's frame log (:func:`_log`);
+    :func:`check_pending` reads the logs and raises :class:`CollectiveMismatchError` from
+    them, naming every rank's layer, as the eager path does."""
+    import torch.distributed._functional_collectives as funcol
+
+    numel, device = tensor.numel(), tensor.device
+    length, (fingerprint, code) = _traced_frame_length(numel), _fingerprints(slot, *shape)
+    header = torch.zeros(2 * size, dtype=torch.float64, device=device)
+    header[rank], header[size + rank] = fingerprint, code
+    whole = torch.cat([tensor.reshape(-1).to(torch.float64), header.new_zeros(length - numel), header])
+    whole = funcol.all_reduce(whole, "sum", group)
+    received = whole[length:]
+    expected = torch.full((2 * size,), fingerprint, dtype=torch.float64, device=device)
+    expected[size:] = code
+    log = _log(str(device), size)
+    first = (received != expected).any() & (log[:1] == 0)  # a slice: log[0] would be read as a Python float
+    log.copy_(torch.where(first, torch.cat([received.new_ones(1), received]), log))
+    return whole[:numel].view(tensor.shape).to(tensor.dtype)
+
+
+def _check_logs() -> None:
+    """Raise for the first mismatched frame a traced or captured collective logged (a host
+    read of each log)."""
+    for log in _LOGS.values():
+        if bool(log[0] != 0):
+            received = log[1:].to("cpu", copy=True)
+            log.zero_()
+            _raise(received)

@@ -120,9 +120,7 @@ twins; every call below gives them what CUDA needs, on every device, and
 from __future__ import annotations
 
 import copy
-import functools
 import itertools
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -137,7 +135,7 @@ import distnorm
 # without one does not have), checked before anything below declares an operator.
 distnorm._require_torch(torch.__version__)
 
-from distnorm import _bnp_functions, _collectives, _frames, _fused  # noqa: E402
+from distnorm import _bnp_functions, _collectives, _frames, _fused, _traced  # noqa: E402
 from distnorm._collectives import ProcessGroup, constant
 from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt
 from distnorm._cpu_kernels import batch_norm_update_stats as _cpu_update_stats
@@ -179,6 +177,8 @@ class NormState:
         rho, r_max: CBN's (``rho = kappa``, ``r_max = 1`` for POP-Norm); ``None`` for BN.
         process_group, sync: what to synchronize over.
         eval_stats: CBN's statistics at evaluation (``"auto"``, ``"amat"``, ``"running"``).
+        amat: CBN's AMAT is on: history may blend in (a compiled step always takes that path,
+            :mod:`distnorm._traced`); for a functional call, whether this call's ``eta`` may be > 0.
         history: AMAT blends in history at this step (``eta > 0``); known from ``set_lr``.
         amat_ready: the AMAT buffers are initialised on every rank (the host saw it happen).
         stats_sink: dict the theory monitors read the last batch statistics from, or None
@@ -195,6 +195,7 @@ class NormState:
     process_group: ProcessGroup | None = None
     sync: bool = True
     eval_stats: str | None = None
+    amat: bool = False
     history: bool = False
     amat_ready: bool = False
     stats_sink: dict | None = None
@@ -338,18 +339,20 @@ class AffinePartsFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_scale: Tensor, grad_shift: Tensor) -> tuple[Tensor | None, ...]:
         a, grad_coef, beta_coef = ctx.saved_tensors
         state = ctx.state
-        # Under torch.compile the backward is traced ahead of the run, so no host choice is
-        # baked in: the composite there (the compiled layer's backward operator decides at run time).
-        kernel = "composite" if torch.compiler.is_compiling() else _fused.kernel_choice(state.group(), a.device)
-        _, grad_weight, grad_bias, _, _ = torch.ops.distnorm.backward_sums(
-            grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho, kernel)
+        if torch.compiler.is_compiling():  # traced: the composite, which the compiler fuses
+            _, grad_weight, grad_bias, _, _ = _fused.backward_sums_composite(
+                grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho)
+        else:
+            _, grad_weight, grad_bias, _, _ = torch.ops.distnorm.backward_sums(
+                grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho,
+                _fused.kernel_choice(state.group(), a.device))
         return to_dtype(grad_weight, ctx.weight_dtype), to_dtype(grad_bias, ctx.bias_dtype), None, None
 
 
 def _statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
                 eta: Tensor | None, state: NormState) -> NormPlan:
-    """The statistics step of a training call: as an opaque operator under ``torch.compile``,
-    else eagerly (with the checkpoint stash)."""
+    """The statistics step of a training call: as ``torch.compile`` traces it, else eagerly
+    (with the checkpoint stash)."""
     if torch.compiler.is_compiling():
         return _compiled_statistics(x, weight, bias, buffers, eta, state)
     return _eager_statistics(x, weight, bias, buffers, eta, state)
@@ -382,17 +385,10 @@ def _stash_of(state: NormState) -> Stash:
 
 def _compiled_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
                          eta: Tensor | None, state: NormState) -> NormPlan:
-    """The statistics step as an opaque operator (``torch.compile``): detached inputs, since
-    the operators have no autograd formula of their own."""
-    key, config = state.key, _config_of(state)
+    """The statistics step as ``torch.compile`` traces it (:mod:`distnorm._traced`)."""
     if state.kind == "bn":
-        return NormPlan(*torch.ops.distnorm.bn_statistics(x.detach(), _detached(weight), *buffers, key, config))
-    return NormPlan(*torch.ops.distnorm.cbn_statistics(x.detach(), weight.detach(), bias.detach(), list(buffers), eta,
-                                                       key, config))
-
-
-def _detached(t: Tensor | None) -> Tensor | None:
-    return t.detach() if t is not None else None
+        return NormPlan(*_traced.bn_statistics(x, weight, buffers, state))
+    return NormPlan(*_traced.cbn_statistics(x, weight, bias, buffers, eta, state))
 
 
 class NormalizeFunction(torch.autograd.Function):
@@ -422,9 +418,7 @@ class NormalizeFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_out = grad_out.contiguous(memory_format=_memory_format(x))
         if torch.compiler.is_compiling():
-            state = ctx.state
-            grad_x, grad_w, grad_b = torch.ops.distnorm.normalize_backward(grad_out, x, saved, need_x, state.key,
-                                                                           _config_of(state))
+            grad_x, grad_w, grad_b = _traced.normalize_backward(grad_out, x, saved, need_x, ctx.state)
         else:
             grad_x, grad_w, grad_b = normalize_backward(grad_out, x, saved, need_x, ctx.state)
         return (
@@ -437,11 +431,11 @@ class NormalizeFunction(torch.autograd.Function):
 
 def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Tensor, Tensor, Any]:
     """BNP's statistics step on a preconditioned layer's input ``h``
-    (:func:`distnorm._bnp_functions.layer_statistics`): eager, or the operator
-    ``distnorm::bnp_statistics`` under ``torch.compile``. ``state``: the layer's
-    :class:`~distnorm._bnp_functions.BNPLayerState`, registered (:func:`register`)."""
+    (:func:`distnorm._bnp_functions.layer_statistics`): eager, or as ``torch.compile`` traces
+    it (:func:`distnorm._traced.bnp_statistics`). ``state``: the layer's
+    :class:`~distnorm._bnp_functions.BNPLayerState`."""
     if torch.compiler.is_compiling():
-        return torch.ops.distnorm.bnp_statistics(h.detach(), mean, var, state.key)
+        return _traced.bnp_statistics(h, mean, var, state)
     return _bnp_functions.layer_statistics(h, mean, var, state)
 
 
@@ -662,16 +656,17 @@ def _local_batch_norm_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tens
     return grad_x, grad_weight, grad_bias
 
 
-# ---------------------------------------------------- the states the operators find
+# ------------------------------------------------------------- the layers of the process
 _STATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
 
 def register(state: Any, channels: int = 0) -> int:
-    """The key under which the operators find ``state`` (a module's :class:`NormState`, a
-    BNP layer's state), assigned once per object and held weakly. ``channels``: the layer's,
-    whose statistics every collective frame of the process must hold
-    (:func:`distnorm._frames.reserve`)."""
+    """Record ``state`` (a module's :class:`NormState`, a BNP layer's state) among the
+    process's layers, whose names a mismatched frame's error reads
+    (:func:`distnorm._frames.add_name_source`); a key per object, held weakly.
+    ``channels``: the layer's, whose statistics every collective frame of the process must
+    hold (:func:`distnorm._frames.reserve`)."""
     if channels:
         _frames.reserve(channels)
     key = getattr(state, "key", -1)
@@ -685,107 +680,23 @@ def register(state: Any, channels: int = 0) -> int:
 _frames.add_name_source(lambda: [state.name for state in list(_STATES.values())])
 
 
-def _state_of(key: int, config: str = "") -> Any:
-    """The state registered under ``key``, or, for ``key = -1``, the state of the functional
-    call described by ``config`` (:func:`_config_of`)."""
-    if key < 0 and config:
-        return _functional_state(config)
-    state = _STATES.get(key)
-    if state is None:
-        raise RuntimeError(f"distnorm: no layer is registered under key {key} (was it garbage-collected?)")
-    return state
-
-
-_SEP = "|"
-
-
-def _config_of(state: NormState) -> str:
-    """``""`` for a registered module's state; for a functional call's, the text the operators
-    rebuild it from: kind, hyper-parameters, synchronization, history, group name, layer name
-    (last: it may contain the separator). Traceable by ``torch.compile``, which folds it into
-    a constant of the graph (guarded on the values it reads)."""
-    if state.key >= 0:
-        return ""
-    group = "" if state.process_group is None else state.process_group.group_name
-    return _SEP.join((state.kind, f"{state.eps!r}", f"{state.momentum!r}", f"{state.rho!r}", f"{state.r_max!r}",
-                      f"{int(state.sync)}", f"{int(state.history)}", group, state.name))
-
-
-def _number(text: str) -> float | None:
-    return None if text == "None" else float(text)
-
-
-@functools.lru_cache(maxsize=256)
-def _functional_state(config: str) -> NormState:
-    """The state of a functional call, rebuilt from its configuration (one per distinct
-    configuration: the stash is unused under compilation, and no other field changes)."""
-    kind, eps, momentum, rho, r_max, sync, history, group, name = config.split(_SEP, 8)
-    process_group = None
-    if group:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        process_group = _resolve_process_group(group)
-    eps_value = _number(eps)
-    assert eps_value is not None, config
-    return NormState(kind, name, eps_value, _number(momentum), rho=_number(rho), r_max=_number(r_max),
-                     process_group=process_group, sync=sync == "1", history=history == "1")
-
-
 # ------------------------------------------------------------------ the operators
 _LIB = torch.library.Library("distnorm", "FRAGMENT")
-
-#: ``torch.Tag.cudagraph_unsafe``, on every operator, where torch has the tag (>= 2.8);
-#: empty otherwise (then :func:`_refuse_cuda_graphs` guards).
-_UNSAFE_FOR_CUDA_GRAPHS: tuple = (
-    (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ())
-
-
-def _refuse_cuda_graphs() -> None:
-    """Where the operators cannot be tagged unsafe for CUDA graphs: raise while Inductor
-    compiles a graph it would capture (``mode="reduce-overhead"``; run from the fake kernels,
-    which run inside that compilation)."""
-    if _UNSAFE_FOR_CUDA_GRAPHS:
-        return
-    config = sys.modules.get("torch._inductor.config")
-    if config is not None and getattr(config.triton, "cudagraphs", False):
-        raise RuntimeError(
-            f"distnorm: torch.compile(mode=\"reduce-overhead\") captures CUDA graphs and replays them, which would "
-            "replay the first step's decisions of distnorm's layers (AMAT's history branch and initialisation, "
-            "activation checkpointing, the synchronized statistics) at every step. This torch "
-            f"({torch.__version__}) cannot mark distnorm's operators unsafe for CUDA graphs "
-            "(torch.Tag.cudagraph_unsafe needs torch >= 2.8). Compile with "
-            "mode=\"default\" or mode=\"max-autotune-no-cudagraphs\", or upgrade torch.")
 
 
 def _define(name: str, kernel: Callable, fake: Callable, mutates: tuple[str, ...] = ()) -> None:
     """Declare ``distnorm::<name>`` with ``kernel``'s signature (its schema inferred, the
     ``mutates`` arguments annotated), register ``kernel`` for every device
-    (``CompositeExplicitAutograd``) and ``fake`` for ``torch.compile``."""
-    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates), tags=_UNSAFE_FOR_CUDA_GRAPHS)
+    (``CompositeExplicitAutograd``) and ``fake`` for tracing."""
+    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates))
     _LIB.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"distnorm::{name}", fake, lib=_LIB)
 
 
-def _fresh(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
-    """An operator's outputs must not alias one another or anything else: copy them."""
-    return tuple(t.clone() for t in tensors)
-
-
-def _plan_like(like: Tensor, channels: int, *, beta_coef: bool = True) -> tuple[Tensor, ...]:
-    """Empty tensors of a :class:`NormPlan`'s shapes, in ``like``'s dtype (fake kernels)."""
-    vec = lambda *shape: like.new_empty(shape)  # noqa: E731
-    return (vec(channels), vec(channels), vec(channels), vec(channels), vec(2, 2, channels),
-            vec(channels) if beta_coef else vec(0))
-
-
-def _accumulating(x: Tensor) -> Tensor:
-    """A 0-dim tensor of ``x``'s accumulation dtype on its device (fake kernels)."""
-    return x.new_empty((), dtype=_collectives.accumulate_dtype(x))
-
-
 # The per-channel steps (kernels: distnorm._fused).
 def _cbn_plan_fake(moments: list[Tensor], *_: Any) -> tuple[Tensor, ...]:
-    return _plan_like(moments[0], moments[0].shape[0])
+    vec, channels = moments[0].new_empty, moments[0].shape[0]
+    return vec(channels), vec(channels), vec(channels), vec(channels), vec(2, 2, channels), vec(channels)
 
 
 def _backward_sums_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -840,59 +751,3 @@ _LIB.define("bnp_precondition(Tensor grad_weight, Tensor? grad_bias, Tensor mean
             "-> (Tensor, Tensor)")
 _LIB.impl("bnp_precondition", _bnp_precondition_cpu, "CPU")
 torch.library.register_fake("distnorm::bnp_precondition", _bnp_precondition_fake, lib=_LIB)
-
-
-# A layer's statistics step and backward, run by the compiled graphs.
-def _bn_statistics_kernel(x: Tensor, weight: Optional[Tensor], running_mean: Optional[Tensor],
-                          running_var: Optional[Tensor], num_batches_tracked: Optional[Tensor], key: int,
-                          config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    buffers = (running_mean, running_var, num_batches_tracked)
-    return _fresh(bn_statistics(x, weight, buffers, _state_of(key, config)))
-
-
-def _bn_statistics_fake(x: Tensor, *_: Any) -> tuple[Tensor, ...]:
-    _refuse_cuda_graphs()
-    return _plan_like(_accumulating(x), x.shape[1], beta_coef=False)
-
-
-def _cbn_statistics_kernel(x: Tensor, weight: Tensor, bias: Tensor, buffers: list[Tensor], eta: Tensor, key: int,
-                           config: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _fresh(cbn_statistics(x, weight, bias, buffers, eta, _state_of(key, config)))
-
-
-def _cbn_statistics_fake(x: Tensor, *_: Any) -> tuple[Tensor, ...]:
-    _refuse_cuda_graphs()
-    return _plan_like(_accumulating(x), x.shape[1])
-
-
-def _normalize_backward_kernel(grad_out: Tensor, x: Tensor, saved: list[Tensor], need_input_grad: bool, key: int,
-                               config: str) -> tuple[Tensor, Tensor, Tensor]:
-    return _fresh(normalize_backward(grad_out, x, saved, need_input_grad, _state_of(key, config)))
-
-
-def _normalize_backward_fake(grad_out: Tensor, x: Tensor, saved: list[Tensor], need_input_grad: bool,
-                             *_: Any) -> tuple[Tensor, Tensor, Tensor]:
-    _refuse_cuda_graphs()
-    channels, center = x.shape[1], saved[0]
-    grad_x = torch.empty_like(x) if need_input_grad else x.new_empty(0)
-    return grad_x, center.new_empty(channels), center.new_empty(channels)
-
-
-def _bnp_statistics_kernel(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
-    new_mean, var_t, count = _bnp_functions.layer_statistics(h, mean, var, _state_of(key), replay=False)
-    if not isinstance(count, Tensor):  # a host count (local statistics): an operator returns tensors
-        # torch.full, not torch.tensor: a fill kernel instead of a host-to-device copy + sync
-        count = torch.full((), float(count), dtype=new_mean.dtype, device=new_mean.device)
-    return _fresh((new_mean, var_t, count))
-
-
-def _bnp_statistics_fake(h: Tensor, mean: Tensor, var: Tensor, key: int) -> tuple[Tensor, Tensor, Tensor]:
-    _refuse_cuda_graphs()
-    return mean.new_empty(mean.shape), var.new_empty(var.shape), mean.new_empty(())
-
-
-_define("bn_statistics", _bn_statistics_kernel, _bn_statistics_fake,
-        mutates=("running_mean", "running_var", "num_batches_tracked"))
-_define("cbn_statistics", _cbn_statistics_kernel, _cbn_statistics_fake, mutates=("buffers",))
-_define("normalize_backward", _normalize_backward_kernel, _normalize_backward_fake)
-_define("bnp_statistics", _bnp_statistics_kernel, _bnp_statistics_fake, mutates=("mean", "var"))

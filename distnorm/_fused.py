@@ -87,7 +87,7 @@ from distnorm import _collectives, _cpu_kernels
 from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm._collectives import ProcessGroup, constant
 
-__all__ = ["TritonState", "backward_sums", "backward_sums_composite", "blend", "cbn_plan", "cbn_plan_composite",
+__all__ = ["TritonState", "backward_sums", "before_update", "backward_sums_composite", "blend", "cbn_plan", "cbn_plan_composite",
            "cpu_kernel_decision", "grad_coef_of", "interpreted_kernels", "kernel_choice", "load_interpreted",
            "synced_moments", "to_dtype", "triton_decision", "triton_enabled", "triton_state", "triton_vote",
            "update_running"]
@@ -97,6 +97,24 @@ __all__ = ["TritonState", "backward_sums", "backward_sums_composite", "blend", "
 def to_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     """``t`` in ``dtype`` (no op when it already is, or when ``t`` is None)."""
     return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def before_update(buffer: Tensor) -> Tensor:
+    """``buffer`` as the step reads it before updating it in place: itself in eager mode;
+    under ``torch.compile`` a copy the backward can read instead of the buffer.
+
+    Why: AOTAutograd applies a graph's in-place updates of its inputs after the forward, and
+    its min-cut partitioner may save such an input for the backward and recompute from it what
+    the backward needs -- from the buffer already updated (compiled CBN's gradients were off
+    by 1e-4 to 1 from its second step at eta = 0.5, silently; pytorch/pytorch#197039, open,
+    pins such reads). The partitioner never recomputes a reduction whose output is 4x smaller
+    than its input (``ban_recompute_reductions``, also under aggressive recomputation), so
+    the copy is the exact maximum over 5 expanded views of the buffer (a view: no memory, and
+    Inductor fuses the read into its kernels): saved, C values."""
+    if not torch.compiler.is_compiling():
+        return buffer
+    copies = buffer.unsqueeze(0).expand(5, *buffer.shape)
+    return copies.amax(0) if buffer.is_floating_point() else copies.any(0)
 
 
 def grad_coef_of(r_mu: Tensor, q: Tensor, w: Tensor, count: int | Tensor) -> Tensor:
@@ -215,7 +233,7 @@ def _with_history(mu_b: Tensor, var_x: Tensor, beta: Tensor, eta: Tensor, buffer
     """The AMAT blend and the stop-gradient ratios: ``(mu_U, d, var_U, invstd, q, r_mu,
     center, w)`` of :func:`cbn_plan_composite` (``limits``: ``eps`` and ``r_max``)."""
     eps, r_max = limits
-    amat_mean, amat_var, amat_initialized = buffers[:3]
+    amat_mean, amat_var, amat_initialized = (before_update(b) for b in buffers[:3])
     mu_a, var_a = to_dtype(amat_mean, mu_b.dtype), to_dtype(amat_var, mu_b.dtype)
     if not amat_ready:  # "update, then substitute" starts from this batch
         mu_a = torch.where(amat_initialized, mu_a, mu_b)

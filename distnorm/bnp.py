@@ -483,7 +483,10 @@ class _FirstForwardCheck:
     def __call__(self, model: nn.Module, args: tuple, output: Any) -> None:
         if self.done or not (model.training and torch.is_grad_enabled()):
             return
-        self.done = True
+        if not torch.compiler.is_compiling():
+            # Compiled: checked whenever the forward is traced, and never flipped -- the graph
+            # guards on the flag it reads, and would recompile at the next call.
+            self.done = True
         missed = [name for name, m in self.layers.items() if not m._distnorm_bnp.called]
         if missed:
             raise ValueError(

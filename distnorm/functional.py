@@ -205,7 +205,7 @@ def cbn(  # the layer's tensors, then the call's configuration as keywords
     history = True if isinstance(eta, torch.Tensor) else float(eta) > 0
     state = NormState("cbn", layer, spec.eps, spec.momentum, rho=float(spec.rho), r_max=float(spec.r_max),
                       process_group=process_group, sync=spec.sync, eval_stats=spec.resolved_eval_stats,
-                      history=history)
+                      amat=history, history=history)
     return normalize(x, weight, bias, buffers, state, training=training, eta=eta)
 
 

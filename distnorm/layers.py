@@ -102,6 +102,7 @@ class _CompleteNorm(_DistNormLayer):
     r_max = _state_field("r_max", "clamp of the stop-gradient ratios")
     sync = _state_field("sync", "synchronize statistics across ranks")
     eval_stats = _state_field("eval_stats", 'statistics at evaluation: "auto", "amat" or "running"')
+    amat = _state_field("amat", "AMAT on: the training forward blends in history by eta")
 
     def __init__(self, num_features: int, spec: CBNSpec, process_group: ProcessGroup | None) -> None:
         # Hyper-parameters were validated by the spec (distnorm.specs), their one owner.
@@ -110,8 +111,7 @@ class _CompleteNorm(_DistNormLayer):
         self.num_features = num_features
         self._init_state("cbn", eps=float(spec.eps), momentum=spec.momentum, rho=float(spec.rho),
                          r_max=float(spec.r_max), process_group=process_group, sync=bool(spec.sync),
-                         eval_stats=spec.resolved_eval_stats)
-        self.amat = bool(spec.amat)
+                         eval_stats=spec.resolved_eval_stats, amat=bool(spec.amat))
         self.omega = float(spec.omega)
         self.lr: float | None = None
 

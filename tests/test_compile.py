@@ -158,69 +158,148 @@ def test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes()
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
 
 
-def _compiled_graphs(model: nn.Module, x: torch.Tensor) -> list:
-    """The forward and backward FX graphs ``torch.compile`` hands its backend for ``model``."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
+def _one_rank_group():
+    """A gloo world of one rank in this process, whose group keeps its collectives (the test
+    switch ``DISTNORM_SYNC_ONE_RANK``): the synchronized path without a second process."""
+    import tempfile
 
-    graphs = []
+    import torch.distributed as dist
+
+    from distnorm import _collectives
+
+    store = dist.FileStore(tempfile.mktemp(prefix="distnorm-one-rank-"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist, _collectives.keep_one_rank_groups(True)
+
+
+def _end_one_rank_group(dist, previous: bool) -> None:
+    from distnorm import _collectives
+
+    _collectives.keep_one_rank_groups(previous)
+    dist.destroy_process_group()
+
+
+def _record_graphs(graphs: list):
+    """An aot_autograd backend that keeps the forward and backward FX graphs it compiles and
+    runs them as they are, with Dynamo's compile counter around it."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
 
     def record(gm, example_inputs):
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    torch._dynamo.reset()
-    fn = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
-    fn(x).square().mean().backward()
-    return graphs
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition,
+                           keep_inference_input_mutations=True)  # aot_eager's partitioner: the one Inductor uses
+    return CompileCounterWithBackend(backend)
 
 
-def test_cuda_graphs_never_capture_the_layers_host_decisions():
-    """``torch.compile(mode="reduce-overhead")`` replays captured kernels without running the
-    host code of distnorm's operators (AMAT's history branch and initialisation, the
-    checkpoint stash, host counts, the group's Triton agreement): a schedule crossing
-    ``eta = 0`` would replay the wrong branch. Every operator is tagged
-    ``torch.Tag.cudagraph_unsafe`` (torch >= 2.8), and Inductor's own check finds them in the
-    forward and the backward graph of a compiled model: it runs them outside the captured
-    graphs (graph partitions), or captures none. Bug caught: an operator left untagged."""
-    from torch._inductor import config as inductor_config
+def test_a_compiled_step_is_one_graph_of_aten_ops_and_collectives():
+    """Compiled means fused: the statistics, the AMAT blend and buffer updates, the
+    normalization and the backward's sums of every layer kind and BNP reach the compiler as
+    ATen ops it decomposes, and only the all-reduces stay opaque, as functional collectives.
+    The model trains across AMAT's phases -- the buffers initialise at the first step, the
+    learning rate changes at every step, ``eta`` crosses 0 twice -- in ONE graph: no
+    recompilation, no graph break. And nothing in it is unsafe for CUDA graphs by Inductor's
+    own check. Bugs caught: the statistics step and the backward as opaque custom operators
+    (Inductor could not fuse them, and they were tagged ``cudagraph_unsafe``); a host read
+    (``state.history``, ``state.amat_ready``) that guards and recompiles."""
+    from torch._dynamo.utils import counters
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
-    from distnorm import _functions
+    dist, previous = _one_rank_group()
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        graphs: list = []
+        counter = _record_graphs(graphs)
+        model = mixed_model()
+        compiled = torch.compile(model, backend=counter, fullgraph=True)
+        for step, lr in enumerate(STEPS):
+            distnorm.set_lr(model, lr)
+            compiled(batch(step)).square().mean().backward()
+        distnorm._collectives.check_frames()  # the logs of the traced frames: nothing mismatched
+    finally:
+        _end_one_rank_group(dist, previous)
+    assert counter.frame_count == 1 and len(graphs) == 2, (counter.frame_count, len(graphs))  # forward + backward, once
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    targets = {phase: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+               for phase, gm in zip(("forward", "backward"), graphs)}
+    for phase, ops in targets.items():
+        opaque = [op for op in ops if not op.startswith(("aten.", "_c10d_functional.", "<built-in function getitem>"))]
+        assert not opaque, (phase, opaque)
+    collectives = {phase: sum(op == "_c10d_functional.all_reduce.default" for op in ops)
+                   for phase, ops in targets.items()}
+    # CBN, SyncBatchNorm, POP-Norm and the two BNP layers' statistics; the three layers' input gradients
+    assert collectives == {"forward": 5, "backward": 3}, collectives
+    for gm in graphs:
+        assert get_first_incompatible_cudagraph_node(gm) is None, gm
 
-    if not _functions._UNSAFE_FOR_CUDA_GRAPHS:
-        pytest.skip(f"torch {torch.__version__} has no cudagraph_unsafe tag: the refusal below guards instead")
-    model = mixed_model()
-    distnorm.set_lr(model, 0.05)
-    found = {}
-    for gm in _compiled_graphs(model, batch(0)):
-        for node in gm.graph.nodes:
-            # A mutating operator is wrapped in auto_functionalized until Inductor's post-grad
-            # passes put it back, before they look for unsafe nodes.
-            op = node.args[0] if "auto_functionalized" in str(node.target) else node.target
-            if getattr(op, "namespace", None) == "distnorm":
-                found[str(op)] = torch.Tag.cudagraph_unsafe in op.tags
-        with inductor_config.patch(graph_partition=False):  # without partitions: the whole graph is refused
-            first = get_first_incompatible_cudagraph_node(gm)
-        if any(getattr(n.target, "namespace", None) == "distnorm" for n in gm.graph.nodes):
-            assert first is not None and first.target.namespace == "distnorm", first
-    assert found == {"distnorm.cbn_statistics.default": True, "distnorm.bn_statistics.default": True,
-                     "distnorm.bnp_statistics.default": True, "distnorm.normalize_backward.default": True}, found
+
+def _mismatch_worker(rank, world):
+    """Rank 0 runs layer ``a``, rank 1 layer ``b`` (same width): compiled, their statistics
+    all-reduces pair up silently unless the frames' fingerprints say so."""
+    import torch.distributed as dist
+
+    from distnorm.errors import CollectiveMismatchError
+
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": distnorm.CBN(4), "b": distnorm.CBN(4)})
+    distnorm.name_layers(model)
+
+    def step(x, which: str):
+        return model[which](x).sum()
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    x = torch.randn(6, 4)
+    compiled(x, "a").backward()  # every rank runs a: matched
+    distnorm._collectives.check_frames()
+    compiled(x, "a" if rank == 0 else "b").backward()
+    dist.barrier()
+    try:
+        distnorm._collectives.check_frames()
+    except CollectiveMismatchError as err:
+        return str(err)
+    return None
 
 
-def test_without_the_tag_reduce_overhead_is_refused(monkeypatch):
-    """A torch without ``torch.Tag.cudagraph_unsafe`` (2.4 to 2.7) cannot be told; there a
-    compilation that would capture CUDA graphs raises, naming the modes that work, instead
-    of replaying the first step's decisions. (This torch has the tag: the operators'
-    tagging is switched off to run the older torch's path.) Bug caught: the mode accepted."""
-    from distnorm import _functions
+@pytest.mark.world_size(2)
+@pytest.mark.timeout(300)
+def test_a_compiled_mismatch_is_named_at_the_next_frame_check(tmp_path):
+    """A compiled graph cannot stop on the host at a mismatched collective: it compares the
+    frame's fingerprints on the device and logs the first mismatch, and the next
+    ``check_frames`` (the plugin's periodic check) raises on every rank, naming each rank's
+    layer. Bug caught: compiled collectives that paired different layers silently."""
+    messages = run_distributed(_mismatch_worker, 2, tmp_path, timeout=240)
+    for message in messages:
+        assert message is not None
+        assert "CBN 'a'|forward" in message and "CBN 'b'|forward" in message, message
 
-    monkeypatch.setattr(_functions, "_UNSAFE_FOR_CUDA_GRAPHS", ())
+
+def test_the_constant_marker_is_the_one_torch_compile_reads():
+    """``distnorm._frames`` marks its trace-time constants without importing ``torch._dynamo``
+    (2 s at ``import distnorm``), by the attribute ``torch.compiler.assume_constant_result``
+    sets. Bug caught: a torch whose decorator marks functions otherwise (the frames'
+    fingerprints would then be traced, and fail)."""
+    from distnorm import _frames
+
+    def probe():
+        return 1
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert {k: v for k, v in vars(marked).items()} == vars(_frames._marked_constant(lambda: 1))
+
+
+def test_debug_mode_refuses_compilation_naming_what_works():
+    """Debug mode reads each collective's fingerprint and the statistics on the host, which a
+    compiled graph cannot: one error says so and names what works. Bug caught: debug checks
+    silently absent from a compiled model."""
     torch._dynamo.reset()
     layer = distnorm.CBN(3)
-    distnorm.set_lr(layer, 0.05)
-    with pytest.raises(Exception, match=r"(?s)reduce-overhead.{0,4} captures CUDA graphs.*cannot mark distnorm.{1,3}s "
-                                        r"operators unsafe for CUDA graphs.*max-autotune-no-cudagraphs"):
-        torch.compile(layer, mode="reduce-overhead")(torch.randn(8, 3, 6))
-    torch._dynamo.reset()
-    assert torch.compile(layer, backend="aot_eager")(torch.randn(8, 3, 6)).shape == (8, 3, 6)
+    previous = distnorm.debug(True)
+    try:
+        with pytest.raises(Exception, match=r"(?s)distnorm.debug\(\) reads.*without torch.compile"):
+            torch.compile(layer, backend="aot_eager", fullgraph=True)(torch.randn(8, 3, 6))
+    finally:
+        distnorm.debug(previous)
