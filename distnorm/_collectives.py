@@ -53,6 +53,7 @@ __all__ = [
     "assert_same_across_ranks",
     "all_reduce_sum",
     "broadcast_from_first",
+    "capturing",
     "check_collective_device",
     "check_frames",
     "collective_device",
@@ -65,6 +66,7 @@ __all__ = [
     "group_size",
     "local_moments",
     "norm_group",
+    "refuse_capture",
     "stable_hash",
     "sync_group",
     "traced_all_reduce_sum",
@@ -361,6 +363,24 @@ def _check_slot(group: ProcessGroup, slot: str, device: torch.device) -> None:
     )
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph (``torch.cuda.graph``,
+    ``torch.cuda.make_graphed_callables``, and ``torch.compile(mode="reduce-overhead")``'s
+    recording): the layers then take the decisions a replay can keep (:mod:`distnorm._functions`,
+    :func:`all_reduce_sum`). One host call on a CUDA device, none elsewhere."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def refuse_capture(device: torch.device, what: str) -> None:
+    """Raise while ``device``'s work is being captured: ``what`` (a step that reads the device
+    on the host) cannot be recorded into a CUDA graph, and a step before capture does it."""
+    if capturing(device):
+        raise RuntimeError(
+            f"distnorm: {what} reads the device on the host, which a CUDA graph cannot capture. Run one training "
+            "step before capturing (the warm-up torch.cuda.graph's documentation prescribes, on a side stream): "
+            "it does this once, and every captured step after it replays without it.")
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: str = "",
                    shape: tuple[int, torch.dtype] = (0, torch.float64)) -> torch.Tensor:
     """Sum ``tensor`` in place over ``group`` (no-op for ``None``) and return it.
@@ -375,6 +395,9 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: st
         return tensor
     # Before any collective, the debug fingerprint included: a tensor off the NCCL group's device.
     check_collective_device(tensor, group, slot)
+    if capturing(tensor.device):  # the frame as compiled code runs it: compared on the device, logged
+        _refuse_capture_of(group, slot)
+        return tensor.copy_(traced_all_reduce_sum(tensor, group, slot=slot, shape=shape))
     if _debug.is_debug():
         _check_slot(group, slot, tensor.device)
     try:
@@ -549,12 +572,24 @@ def traced_all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, s
     return _frames.traced_reduce(tensor, group, slot, shape, dist.get_rank(group), group_size(group))
 
 
+def _refuse_capture_of(group: ProcessGroup, slot: str) -> None:
+    """A collective being captured into a CUDA graph: NCCL only, and not in debug mode."""
+    layer, phase = _slot_names(slot)
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        raise RuntimeError(
+            f"{layer}: the {phase} all-reduce is being captured into a CUDA graph, but its process group runs on "
+            f"{backend}, whose collectives run on the host and cannot be captured. Use the nccl backend for CUDA "
+            "graphs, or train without capturing (torch.compile's default mode fuses the layers without CUDA graphs).")
+    _refuse_debug_mode(layer)
+
+
 def _refuse_debug_mode(layer: str) -> None:
     if _debug.is_debug():
         raise RuntimeError(
             f"{layer}: distnorm.debug() reads every collective's fingerprint and the batch statistics on the host "
             "at each step, which a compiled graph or a captured CUDA graph cannot do. Debug the model eagerly "
-            "(without torch.compile or CUDA-graph capture), or leave debug mode off.")
+            "(without torch.compile and without CUDA-graph capture), or leave debug mode off.")
 
 
 def _check_statistics(sums: torch.Tensor, layer: str, training: bool, count: float) -> None:

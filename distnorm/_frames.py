@@ -143,6 +143,7 @@ def _make_header(slot: str, shape: tuple[int, torch.dtype], rank: int, size: int
     expected = expected_host if device.type == "cpu" else torch.full_like(mine, fingerprint).index_fill_(
         0, torch.arange(size, 2 * size, device=device), code)
     _ISSUED.setdefault(slot_hash(slot), "|".join(slot.split("|")[:2]))
+    _log(str(device), size)  # made here, by the eager steps before any CUDA-graph capture
     return _Header(mine, expected, expected_host, slot)
 
 

@@ -484,10 +484,14 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
         host_count, moments = count, [mean, var]
     else:
         host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
-    params = [weight, bias, eta] if state.history else [weight, bias]
+    # Captured into a CUDA graph, the step is replayed at other learning rates and, maybe, before
+    # the AMAT buffers' first update: the history path with eta read on the device (for eta = 0
+    # it gives the batch statistics), and the initialisation checked on the device.
+    replayed = _collectives.capturing(x.device)
+    params = [weight, bias, eta] if state.history or (replayed and state.amat) else [weight, bias]
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
     plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
-                                                 state.amat_ready, plan_kernel))
+                                                 state.amat_ready and not replayed, plan_kernel))
     if state.stats_sink is not None:
         # Theory monitors (distnorm.monitors) read the operator's own inputs and outputs, the
         # values every rank computes: references, no op and no second computation, so a rank

@@ -391,6 +391,8 @@ def _verdict(mode: str, device: torch.device) -> tuple[int, str]:
     ``(_FAILED, error)`` — remembered per mode and device (one probe per process)."""
     if mode not in _MODES:
         return _FAILED, f"DISTNORM_TRITON={mode!r} is not one of {', '.join(_MODES)}"
+    # The probe compares on the host; raised, not remembered as a failure (lru_cache keeps returns only).
+    _collectives.refuse_capture(device, "the first training step's probe of the Triton kernels")
     try:  # never raises: a synchronized layer votes before its collective, and says it there
         kernels, why = _kernels_for(device)
         if kernels is None:
@@ -468,6 +470,8 @@ def triton_vote(group: ProcessGroup | None, device: torch.device, channels: int)
     this collective instead of raising alone before it."""
     if group is None or channels <= _VOTE_ENTRIES or _agreed(group, device.type) is not None:
         return None
+    _collectives.refuse_capture(device, "the group's first synchronized step, whose all-reduce carries the ranks' "
+                                        "vote on the kernels,")
     verdict = _local_verdict(device)[0]
     cpu = _cpu_kernel_verdict(device)[0]
     off = device.type == "cpu" and cpu == _OFF

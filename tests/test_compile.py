@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import distnorm
+from distnorm import _fused
 from tests.distributed import run_distributed
 from tests.mixed import STEPS, assert_states_close, batch, mixed_model, train_state
 
@@ -303,3 +304,207 @@ def test_debug_mode_refuses_compilation_naming_what_works():
             torch.compile(layer, backend="aot_eager", fullgraph=True)(torch.randn(8, 3, 6))
     finally:
         distnorm.debug(previous)
+
+
+# ------------------------------------------------------------------ CUDA graphs
+def _step_ops(model: nn.Module, x: torch.Tensor) -> list[tuple]:
+    """Every op a training step dispatches, with what a CUDA graph bakes into its kernels:
+    the non-tensor arguments and the length of each list of tensors (``distnorm::cbn_plan``'s
+    ``params`` hold ``eta`` on the history path; its ``amat_ready`` skips the device's check)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def baked(arg):
+        if isinstance(arg, torch.Tensor):
+            return "tensor"
+        if isinstance(arg, (list, tuple)):
+            return tuple(baked(a) for a in arg)
+        return arg
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append((str(func), baked(args), baked(sorted((kwargs or {}).items()))))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder() as recorder:
+        model(x).square().mean().backward()
+    return recorder.ops
+
+
+def test_a_captured_step_dispatches_the_same_ops_whatever_the_values(monkeypatch):
+    """A CUDA graph replays the kernels its capture recorded, so a captured step must issue
+    the same kernels at every step: before and after the AMAT buffers initialise, with
+    ``eta`` 0 or not. Here the layers take the decisions they take while captured
+    (``_collectives.capturing`` answers True, as ``torch.cuda.is_current_stream_capturing``
+    would), and every step of AMAT's phases dispatches the same ops, with outputs, gradients
+    and buffers equal to the eager steps' (the history path at ``eta = 0`` gives the batch
+    statistics). Bug caught: the host's ``history`` / ``amat_ready`` choosing the kernels or
+    their arguments, so a graph captured at one step replays the wrong branch at another."""
+    from distnorm import _collectives
+
+    torch.manual_seed(0)
+    replayed, eager = mixed_model(), mixed_model()
+    for model in (replayed, eager):  # the warm-up step before capture (the kernels' probe runs here)
+        distnorm.set_lr(model, STEPS[0])
+        model(batch(0)).sum().backward()
+    fresh = mixed_model()  # and a model whose capture would come before the AMAT buffers' first update
+    monkeypatch.setattr(_collectives, "capturing", lambda device: True)
+    op_lists = []
+    for step, lr in enumerate(STEPS):
+        for model in (replayed, eager, fresh):
+            distnorm.set_lr(model, lr)
+            model.zero_grad()
+        op_lists.append(_step_ops(fresh, batch(step)))
+        op_lists.append(_step_ops(replayed, batch(step)))
+        monkeypatch.setattr(_collectives, "capturing", lambda device: False)
+        eager(batch(step)).square().mean().backward()
+        monkeypatch.setattr(_collectives, "capturing", lambda device: True)
+        assert_states_close(train_state(replayed), train_state(eager), 1e-5)
+    assert all(ops == op_lists[0] for ops in op_lists), [len(ops) for ops in op_lists]
+
+
+def test_what_cannot_be_captured_is_refused_naming_what_works(monkeypatch):
+    """Capturing a gloo collective, a group's first step (its kernel vote is read on the
+    host) or a step in debug mode cannot work: each raises one error that says why and what
+    to do, instead of a CUDA error from inside the capture or a silently wrong replay."""
+    from distnorm import _collectives
+
+    dist, previous = _one_rank_group()
+    try:
+        layer = distnorm.CBN(8)
+        distnorm.set_lr(layer, 0.05)
+        monkeypatch.setattr(_collectives, "capturing", lambda device: True)
+        with pytest.raises(RuntimeError, match=r"(?s)vote on the kernels.*reads the device on the host.*Run one "
+                                               r"training step before capturing"):
+            _collectives.refuse_capture(torch.device("cpu"), "the group's first synchronized step, whose all-reduce "
+                                                             "carries the ranks' vote on the kernels,")
+        monkeypatch.setattr(_collectives, "capturing", lambda device: False)
+        layer(torch.randn(6, 8)).sum().backward()  # the first step, eager: the group agrees
+        monkeypatch.setattr(_collectives, "capturing", lambda device: True)
+        with pytest.raises(RuntimeError, match=r"(?s)being captured into a CUDA graph.*runs on gloo.*Use the nccl "
+                                               r"backend"):
+            layer(torch.randn(6, 8))
+        previous_debug = distnorm.debug(True)
+        try:
+            with pytest.raises(RuntimeError, match=r"(?s)without CUDA-graph capture"):
+                _collectives._refuse_debug_mode("CBN(8)")
+        finally:
+            distnorm.debug(previous_debug)
+    finally:
+        _end_one_rank_group(dist, previous)
+
+
+def _cuda_graph_training(one_rank_group: bool) -> None:
+    """MLPerf's way: warm up on a side stream, capture a whole training step (forward,
+    backward, SGD step) with ``torch.cuda.graph``, replay it across AMAT's phases (``eta``
+    crossing 0 both ways, set outside the graph by ``set_lr``), against the same steps run
+    eagerly."""
+    from distnorm import _collectives
+
+    if one_rank_group:
+        _collectives.keep_one_rank_groups(True)
+    torch.manual_seed(0)
+    model = mixed_model().cuda()
+    twin = copy.deepcopy(model)
+    optimizers = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (model, twin)}
+
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        optimizers[id(m)].zero_grad(set_to_none=False)
+        loss = m(x).square().mean()
+        loss.backward()
+        optimizers[id(m)].step()
+        return loss
+
+    static_x = batch(0, device="cuda").clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            for m in (model, twin):
+                distnorm.set_lr(m, STEPS[i])
+            static_x.copy_(batch(i, device="cuda"))
+            step(model, static_x)
+            step(twin, batch(i, device="cuda"))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(model, static_x)
+    for i, lr in enumerate(STEPS + STEPS[::-1]):
+        for m in (model, twin):
+            distnorm.set_lr(m, lr)
+        x = batch(i + 3, device="cuda")
+        static_x.copy_(x)
+        graph.replay()
+        loss = step(twin, x)
+        torch.testing.assert_close(static_loss, loss, atol=1e-5, rtol=1e-5, msg=f"replay {i}")
+        assert_states_close(train_state(model), train_state(twin), 1e-4)
+    _collectives.check_frames()
+    if one_rank_group:
+        assert _fused.triton_state(torch.distributed.group.WORLD, "cuda").used
+
+
+def _reduce_overhead_training(one_rank_group: bool) -> None:
+    """``torch.compile(mode="reduce-overhead")`` of the whole model, trained across AMAT's
+    phases against eager: Inductor's CUDA graphs skip nothing."""
+    from torch._dynamo.utils import counters
+
+    from distnorm import _collectives
+
+    if one_rank_group:
+        _collectives.keep_one_rank_groups(True)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = mixed_model().cuda()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for i, lr in enumerate(STEPS + STEPS[::-1]):
+        x = batch(i, device="cuda")
+        for m in (model, twin):
+            distnorm.set_lr(m, lr)
+            m.zero_grad()
+        y = compiled(x)
+        y.square().mean().backward()
+        y = y.clone()  # a CUDA graph's output is overwritten by its next replay
+        y_twin = twin(x)
+        y_twin.square().mean().backward()
+        torch.testing.assert_close(y, y_twin, atol=1e-4, rtol=1e-4, msg=f"step {i}")
+        assert_states_close(train_state(model), train_state(twin), 1e-4)
+    _collectives.check_frames()
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def _cuda_graph_worker(rank, world, how):
+    {"capture": _cuda_graph_training, "reduce-overhead": _reduce_overhead_training}[how](one_rank_group=True)
+
+
+_needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@_needs_gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["capture", "reduce-overhead"])
+def test_cuda_graphs_of_a_training_step_equal_eager(how):
+    """A whole training step captured with ``torch.cuda.graph``, and
+    ``torch.compile(mode="reduce-overhead")``, on one GPU without a group: every layer kind
+    and BNP replayed across AMAT's phases equals eager."""
+    {"capture": _cuda_graph_training, "reduce-overhead": _reduce_overhead_training}[how](one_rank_group=False)
+
+
+@pytest.mark.cuda
+@_needs_gpu
+@pytest.mark.world_size(1)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["capture", "reduce-overhead"])
+def test_cuda_graphs_with_the_nccl_all_reduce_inside(how, tmp_path):
+    """The same on an NCCL world of one rank that keeps its collectives
+    (``DISTNORM_SYNC_ONE_RANK``): the statistics and gradient all-reduces are captured into
+    the CUDA graphs (the functional collectives, the frames compared on the device), and the
+    frames' logs hold no mismatch."""
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("needs NCCL: this torch build has none")
+    run_distributed(_cuda_graph_worker, 1, tmp_path, how, backend="nccl", timeout=540)
