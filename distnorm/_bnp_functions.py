@@ -1,5 +1,6 @@
 """The mathematics of BNP (paper 004; SPEC §5), below the operators of
-:mod:`distnorm._functions`, which declares its statistics step as ``distnorm::bnp_statistics``.
+:mod:`distnorm._functions`, which runs its statistics step (eager, or as :mod:`distnorm._traced`
+traces it under ``torch.compile``).
 
 * :func:`layer_statistics`: one statistics step of a preconditioned layer's input — the
   global moments (ONE all-reduce), the running moments ``bnp_mean`` / ``bnp_var`` updated

@@ -57,26 +57,17 @@ CBN (SPEC §1.1, with ``T = S2 / s_u``): ``a = gamma / (rho * s_u)``, ``q = r_si
 
 Operators. Every operator of distnorm is declared here, through one
 :class:`torch.library.Library` (the ``distnorm`` namespace), with a fake kernel for
-``torch.compile``; each schema is read from its kernel's signature:
+tracing; each schema is read from its kernel's signature. All of them run in eager mode only:
 
-* ``distnorm::cbn_statistics``, ``bn_statistics``, ``bnp_statistics`` and
-  ``normalize_backward``: a layer's statistics step and its backward. Eager mode calls the
-  functions directly; under ``torch.compile`` they run as these opaque operators, which
-  declare the buffers they mutate. That is what makes the compiled model equal the eager
-  one: the compiler cannot recompute the statistics from buffers the step has already
-  updated, cannot move a collective, and saves the plan for the backward instead of
-  re-deriving it. Inside, the operators run the eager code at run time, so host-side
-  decisions (synchronize or not, skip the masked path) are made per call, never baked
-  into a graph.
+* ``distnorm::cbn_plan``, ``backward_sums``: the per-channel steps, one
+  operator each (kernels: :mod:`distnorm._fused`), so a GPU launches one
+  kernel where ATen would launch some thirty, and a CPU runs one C loop
+  (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
+  ``"triton"``, ``"cpu"``), as the group agreed.
 * ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
   the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
 * ``distnorm::bnp_precondition``: BNP's gradient transform on the CPU in one pass
   (:mod:`distnorm._cpu_kernels`; the maths: :func:`distnorm._bnp_functions.bnp_precondition`).
-* ``distnorm::cbn_plan``, ``backward_sums``: the per-channel steps, one
-  operator each in every mode (kernels: :mod:`distnorm._fused`), so a GPU launches one
-  kernel where ATen would launch some thirty, and a CPU runs one C loop
-  (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
-  ``"triton"``, ``"cpu"``), as the group agreed.
 
 The operators run with autograd off (inside the statistics step and the hand-written
 backward), so none needs an autograd formula; declaring them on a
@@ -84,21 +75,19 @@ backward), so none needs an autograd formula; declaring them on a
 call that decorator's Python wrapper, whose host time is what the fusion saves on a GPU
 (figures: ``docs/reference/benchmarks.md``).
 
-A layer's :class:`NormState` reaches an operator as an integer key (operator schemas take
-tensors and scalars only); :meth:`NormState.of_layer` registers a module's state, held
-weakly. The functional API has no module to hold a state: its calls reach the operators with
-the key ``-1`` and a short text of their configuration, from which the operator rebuilds
-the state at run time — the compiled graph holds the text as a constant, so nothing has to
-stay registered for it.
+Compiled. Under ``torch.compile`` the statistics step and the backward are
+:mod:`distnorm._traced`'s: the same mathematics as ATen calls Inductor decomposes and fuses
+with the model's kernels, and one functional all-reduce per phase -- no opaque operator, and
+no host decision the graph would guard on (a compiled model trains across AMAT's phases in
+one graph).
 
-CUDA graphs. ``torch.compile(mode="reduce-overhead")`` captures a graph's kernels once and
-replays them; the host decisions inside these operators (AMAT's history branch and
-initialisation, the checkpoint stash, host counts, the group's agreement on the
-per-channel kernels) would never run again, and a schedule crossing ``eta = 0`` would
-replay the wrong branch. So every operator carries ``torch.Tag.cudagraph_unsafe``: Inductor
-then runs it outside the captured graphs (graph partitions) or captures nothing of that
-graph. A torch without the tag cannot be told, and there a compilation that would capture
-CUDA graphs is refused (:func:`_refuse_cuda_graphs`).
+CUDA graphs. A captured step is replayed at other learning rates and buffer states, so while
+capturing (:func:`distnorm._collectives.capturing`) a layer takes the decisions a replay keeps:
+AMAT's history path with ``eta`` read on the device, the AMAT initialisation checked on the
+device, and the all-reduce as compiled code runs it (NCCL only: the fingerprints compared on
+the device, :func:`distnorm._frames.traced_reduce`). What reads the device on the host -- the
+group's first step, with its kernel vote; debug mode; gloo -- raises while capturing, naming
+what works (one step before capture, as ``torch.cuda.graph`` prescribes a warm-up).
 
 Kernel contracts. The CUDA kernels of the batch-norm family demand more than their CPU
 twins; every call below gives them what CUDA needs, on every device, and
