@@ -3,7 +3,7 @@ the benchmarks (eager before compiled, ResNet-50 first), gathered into one repor
 ``<out>/gpu-<date>.json`` plus ``.md``, rewritten before and after every part.
 
     python bench/gpu_report.py [--quick] [--out DIR] [--name gpu-<date>] [--budget-s S]
-                               [--only tests step_eager ...] [--part-timeout step_compile=200]
+                               [--only tests step_eager ...] [--part-timeout step_compile=240]
                                [--pytest-args='-k compile'] [--step-args='--repeats 5'] [--host-args='--rounds 3']
 
 Runs with the interpreter it is given and installs nothing (a bare GPU machine: torch,
@@ -24,6 +24,14 @@ output also goes to ``<out>/<name>.<part>.log`` as it runs, or into the bundle):
   EfficientNet-B0 (``--quick``: ResNet-50 only), 224 px, batch 256, bf16, channels_last,
   SGD; local BN against distnorm's SyncBatchNorm, CBN, POP-Norm and GN + BNP: step-time
   ratio, images/s, peak memory.
+* **step_compile**: ``bench/step_gpu.py --modes compile reduce_overhead --models resnet50
+  --variants local_bn cbn syncbn popnorm``: ResNet-50 ``torch.compile``d (inductor's default
+  mode) and ``torch.compile(mode="reduce-overhead")``d (CUDA graphs), variant by variant in
+  that order, each timed against local BN in the same mode as soon as it is built; per
+  variant also dynamo's graph breaks and recompiles, and what inductor did with CUDA graphs
+  (its skip counters and messages), or the error it raised (not in ``--quick``).
+* **step_compile_more**: the same for ResNet-18, then EfficientNet-B0, local BN and CBN only
+  (not in ``--quick``).
 * **host**: ``bench/host_cost.py --device cuda --profile cbn --replay``: each layer's host
   time to issue one training step, its first host sync (CUDA's sync debug mode), how much of
   it the step's operators take called alone (the rest: Python, autograd, the layer's logic),
@@ -35,16 +43,21 @@ output also goes to ``<out>/<name>.<part>.log`` as it runs, or into the bundle):
   ``nn.BatchNorm2d``.
 * **decode**: ``bench/decode_gpu.py --device cuda``: the data pipeline's ``decode_device:
   cuda`` path (batched nvJPEG decode, crop, flip, normalize on the GPU) against PIL on one core.
-* **step_compile**: ``bench/step_gpu.py --modes compile --models resnet50 --variants local_bn
-  cbn``: two inductor compiles, timed against local BN eager (not in ``--quick``).
 
-**Time.** The run has a budget (``--budget-s``: 450 s, ``--quick`` 210 s) and each part a
+The report opens with the step ratios of the three step parts against local BN in the same
+mode, each next to its goal (``step_gpu.GOALS``: compiled and CUDA graphs at most 1.05x
+local BN in the same mode; eager has none).
+
+**Time.** The run has a budget (``--budget-s``: 470 s, ``--quick`` 210 s) and each part a
 limit (:data:`PLANS`); a part gets the smaller of its limit and what is left of the budget,
 is stopped with every process it started when that runs out (status ``timed out``), and is
-not started with less than :data:`MIN_PART_S` left (``skipped``). The benchmarks write their
-JSON as they go (``<out>/<name>.<part>.json``), so a stopped part keeps what it finished, and
-the report is rewritten before each part (``running``) and after it, so a run killed from
-outside keeps every part that finished.
+not started with less left than it needs to finish anything (its ``min_s`` in the plan, at
+least :data:`MIN_PART_S`; ``skipped``). The step parts are told their time
+(``--time-budget-s``, :data:`STEP_MARGIN_S` less) and start no build they would not finish:
+what they did not build is listed as not run and the part ends ``ran``. The benchmarks write
+their JSON as they go (``<out>/<name>.<part>.json``), so a stopped part keeps what it
+finished, and the report is rewritten before each part (``running``) and after it, so a run
+killed from outside keeps every part that finished.
 
 **Triton.** The report records the facts that decide whether Triton kernels can run: whether
 ``triton`` imports and its version, the C compiler Triton builds its launchers with (``$CC``,
@@ -78,7 +91,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from pathlib import Path
 
@@ -87,7 +100,9 @@ import torch
 from _common import REPO, machine
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("tests", "step_eager", "host", "profile", "layers", "decode", "step_compile")
+PARTS = ("tests", "step_eager", "step_compile", "step_compile_more", "host", "profile", "layers", "decode")
+#: The parts that run bench/step_gpu.py.
+STEP_PARTS = ("step_eager", "step_compile", "step_compile_more")
 TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_step_cost.py", "tests/test_compile.py",
          "tests/test_checkpointing.py"]
 #: Only the tests that need CUDA (the CPU tests of these files run in ``make test``).
@@ -98,31 +113,41 @@ TEST_ENV = {"DISTNORM_TEST_TIER": "gpu"}
 OPTIONAL = ("torchvision", "timm", "accelerate", "deepspeed", "webdataset", "lightning", "sybil", "triton",
             "pytest", "pytest_timeout")
 NO_CUDA = "no CUDA device"
-#: A part is not started with less than this many seconds of the budget left.
+#: A part is not started with less than this many seconds of the budget left (or its plan's ``min_s``).
 MIN_PART_S = 15.0
+#: A step part stops starting builds this many seconds before its limit: the interpreter's
+#: start and imports before its clock starts, and its last timing and JSON after.
+STEP_MARGIN_S = 20.0
 #: An output line that reports a Triton warning or failure (distnorm's fallback warning included).
 TRITON_MESSAGE = re.compile(r"(?i)triton.*(warn|error|fail|fall)|(warn|error|fail).*triton")
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One way to run the report: its time budget, and per part a time limit and arguments."""
+    """One way to run the report: its time budget, and per part a time limit, the least time
+    worth starting it with (default :data:`MIN_PART_S`) and arguments."""
 
     budget_s: float
     limits_s: dict[str, float]
     args: dict[str, tuple[str, ...]]
+    min_s: dict[str, float] = field(default_factory=dict)
 
 
-#: The default fits 8 minutes on one H100 and ``--quick`` 4 (docs/reference/gpu.md: how these
-#: limits were estimated). A part absent from ``limits_s`` is not run in that plan.
+_COMPILED = ("--modes", "compile", "reduce_overhead")
+#: The default fits 8 minutes on one H100 or H200 and ``--quick`` 4 (docs/reference/gpu.md:
+#: how these limits were estimated). A part absent from ``limits_s`` is not run in that plan.
+#: ``min_s``: a step part's first figures (the compiled parts: local BN's builds and a
+#: variant's), the others' whole run on the H100 / H200 of 2026-11-26/27.
 PLANS = {
     "default": Plan(
-        budget_s=450,
-        limits_s={"tests": 240, "step_eager": 150, "host": 60, "profile": 90, "layers": 90, "decode": 90,
-                  "step_compile": 300},
-        args={"step_eager": ("--modes", "eager"), "host": ("--profile", "cbn", "--replay"),
-              "profile": ("--variants", "local_bn", "cbn", "--repeats", "5"),
-              "step_compile": ("--modes", "compile", "--models", "resnet50", "--variants", "local_bn", "cbn")}),
+        budget_s=470,
+        limits_s={"tests": 150, "step_eager": 130, "step_compile": 240, "step_compile_more": 200, "host": 60,
+                  "profile": 90, "layers": 90, "decode": 90},
+        args={"step_eager": ("--modes", "eager"),
+              "step_compile": (*_COMPILED, "--models", "resnet50", "--variants", "local_bn", "cbn", "syncbn", "popnorm"),
+              "step_compile_more": (*_COMPILED, "--models", "resnet18", "efficientnet_b0", "--variants", "local_bn", "cbn"),
+              "host": ("--profile", "cbn", "--replay"), "profile": ("--variants", "local_bn", "cbn", "--repeats", "5")},
+        min_s={"step_compile": 150, "step_compile_more": 90, "host": 20, "profile": 40, "layers": 40, "decode": 45}),
     "quick": Plan(
         budget_s=210,
         limits_s={"tests": 150, "step_eager": 60, "host": 30, "layers": 45, "decode": 30},
@@ -130,8 +155,8 @@ PLANS = {
               "layers": ("--repeats", "5"),
               "decode": ("--repeats", "1")}),
 }
-SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "host": "host_cost.py",
-           "profile": "profile_step.py", "layers": "layers.py", "decode": "decode_gpu.py"}
+SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "step_compile_more": "step_gpu.py",
+           "host": "host_cost.py", "profile": "profile_step.py", "layers": "layers.py", "decode": "decode_gpu.py"}
 
 
 def default_out() -> str:
@@ -148,7 +173,7 @@ def _part_timeout(text: str) -> tuple[str, float]:
     except ValueError:
         value = -1.0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give PART=SECONDS with SECONDS > 0, e.g. step_compile=200")
+        raise argparse.ArgumentTypeError(f"{text!r}: give PART=SECONDS with SECONDS > 0, e.g. step_compile=240")
     return part, value
 
 
@@ -169,7 +194,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-args", default="", help="more bench/host_cost.py arguments, one string")
     parser.add_argument("--profile-args", default="", help="more bench/profile_step.py arguments, one string")
     parser.add_argument("--layers-args", default="", help="more bench/layers.py arguments, one string")
-    parser.add_argument("--step-args", default="", help="more bench/step_gpu.py arguments (both step parts)")
+    parser.add_argument("--step-args", default="", help="more bench/step_gpu.py arguments (every step part)")
     parser.add_argument("--decode-args", default="", help="more bench/decode_gpu.py arguments, one string")
     return parser
 
@@ -184,6 +209,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.plan_parts = [part for part in PARTS if part in plan.limits_s]
     args.limits_s = {**plan.limits_s, **dict(args.part_timeout)}
     args.plan_args = plan.args
+    args.min_s = plan.min_s
     if args.bundle is None:  # a lent machine sends back few files from $OUT: three, then
         args.bundle = args.out is None and bool(os.environ.get("OUT"))
     args.out = args.out or default_out()
@@ -361,9 +387,12 @@ def run_benchmark(name: str, args: argparse.Namespace, timeout_s: float) -> dict
     out = Path(args.parts_dir)
     result = out / f"{args.name}.{name}.json"
     result.unlink(missing_ok=True)
-    extra = {"step_eager": args.step_args, "step_compile": args.step_args, "host": args.host_args,
-             "profile": args.profile_args, "layers": args.layers_args, "decode": args.decode_args}[name]
-    shown = [f"bench/{SCRIPTS[name]}", "--device", "cuda", *args.plan_args.get(name, ()), *shlex.split(extra)]
+    extra = {**dict.fromkeys(STEP_PARTS, args.step_args), "host": args.host_args, "profile": args.profile_args,
+             "layers": args.layers_args, "decode": args.decode_args}[name]
+    # a step part is told its time, so that it ends by itself with what it finished
+    told = ("--time-budget-s", f"{timeout_s - STEP_MARGIN_S:.0f}") if name in STEP_PARTS \
+        and timeout_s > 2 * STEP_MARGIN_S else ()
+    shown = [f"bench/{SCRIPTS[name]}", "--device", "cuda", *args.plan_args.get(name, ()), *told, *shlex.split(extra)]
     cmd = [sys.executable, str(REPO / shown[0]), *shown[1:], "--json", str(result)]
     done = run_part(cmd, out / f"{args.name}.{name}.log", timeout_s)
     part = {"command": shlex.join(["python", *shown]), "rc": done.rc, "wall_s": done.wall_s,
@@ -372,8 +401,9 @@ def run_benchmark(name: str, args: argparse.Namespace, timeout_s: float) -> dict
     if done.rc is None:
         return {**part, "status": "timed out", "reason": f"stopped after {timeout_s:.0f} s (its time limit)",
                 "output_tail": done.tail, **({"result": payload} if payload else {})}
-    if done.rc != 0 or payload is None:
-        return {**part, "status": "failed", "reason": f"exited {done.rc}", "output_tail": done.tail}
+    if done.rc != 0 or payload is None:  # what it wrote before it failed is kept
+        return {**part, "status": "failed", "reason": f"exited {done.rc}", "output_tail": done.tail,
+                **({"result": payload} if payload else {})}
     return {**part, "status": "ran", "result": payload}
 
 
@@ -390,33 +420,121 @@ def _status_line(part: dict) -> str:
     return f"{part['status']}: {part.get('reason', '')}".rstrip(": ")
 
 
+def _goal_cell(ratio: float | None, goal: float | None) -> str:
+    if goal is None:
+        return "—"
+    if ratio is None:
+        return f"≤ {goal:.2f}"
+    return f"≤ {goal:.2f}: {'met' if ratio <= goal else 'not met'}"
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
 def _step_lines(step: dict) -> list[str]:
+    """A step part's table: every (model, variant, mode) it timed, each ratio next to its goal,
+    and what the compiler did; then what failed, what it did not build, what it did not time."""
     if "result" not in step:
         return [_status_line(step), ""]
     result = step["result"]
     cfg = result["config"]
+    goals = result.get("goals", {})
     lines = [] if step["status"] == "ran" else [_status_line(step) + "; what it finished:", ""]
+    compiled_as = "; ".join(f"{mode}: `{call}`" for mode, call in cfg.get("compiled_as", {}).items())
     lines += [f"`{step['command']}`: batch {cfg['batch']}, {cfg['size']} px, {cfg['amp'] or 'float32'}, "
-              f"{'channels_last' if cfg.get('channels_last', True) else 'NCHW'}, {cfg['optimizer']}, median of {cfg['repeats']} interleaved steps; "
-              f"ratio against local BN eager timed in the same block (lower is better).", "",
-              "| model | variant | mode | step ms | × local BN eager | images/s | peak GiB | first step s |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"{'channels_last' if cfg.get('channels_last', True) else 'NCHW'}, {cfg['optimizer']}, median of "
+              f"{cfg['repeats']} interleaved steps{'; ' + compiled_as if compiled_as else ''}. Each ratio is against "
+              "local BN in the same mode, or eager, timed in the same rounds (lower is better).", "",
+              "| model | variant | mode | step ms | × local BN, same mode | goal | × local BN eager | images/s | peak GiB "
+              "| first step s | graph breaks | recompiles |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
     for model, r in result["models"].items():
         for variant, modes in r["variants"].items():
             for mode, e in modes.items():
-                lines.append(f"| {model} | {variant} | {mode} | {e['median_step_ms']:.1f} | "
-                             f"{e['ratio_vs_local_bn_eager']:.3f} | {e['images_per_s']:.0f} | "
-                             f"{_gib(e['peak_memory_bytes'])} | {e['first_step_s']:.1f} |")
+                what = f"{model} {variant} {mode}"
+                dynamo = e.get("dynamo", {})
+                counts = f"{dynamo['graph_breaks']} | {dynamo['recompiles']}" if dynamo else "— | —"
+                if "error" in e:
+                    lines.append(f"| {model} | {variant} | {mode} | failed ({e['phase']}) | | {_goal_cell(None, goals.get(mode))} "
+                                 f"| | | | {_ms(e.get('first_step_s'))} | {counts} |")
+                    notes.append(f"* {what} failed at its {e['phase']}: `{e['error'].splitlines()[0][:300]}`")
+                else:
+                    same = e.get("ratio_vs_local_bn_same_mode")
+                    goal = "baseline" if variant == "local_bn" else _goal_cell(same, goals.get(mode))
+                    lines.append(f"| {model} | {variant} | {mode} | {e['median_step_ms']:.1f} | {_x(same)} | "
+                                 f"{goal} | {_x(e.get('ratio_vs_local_bn_eager'))} | "
+                                 f"{e['images_per_s']:.0f} | {_gib(e['peak_memory_bytes'])} | {e['first_step_s']:.1f} "
+                                 f"| {counts} |")
+                if dynamo.get("graph_break_reasons"):
+                    notes.append(f"* {what}, graph breaks: " + "; ".join(
+                        f"`{reason.splitlines()[0][:200]}` ×{n}" for reason, n in dynamo["graph_break_reasons"].items()))
+                graphs = e.get("cudagraphs")
+                if graphs and (graphs["counters"] or graphs["messages"]):
+                    notes.append(f"* {what}, CUDA graphs: counters {graphs['counters'] or 'none'}"
+                                 + "".join(f"; `{m.splitlines()[0][:200]}`" for m in graphs["messages"][:3]))
+    lines += [""] + notes if notes else []
     timed = {(m, v, mode) for m, r in result["models"].items() for v, modes in r["variants"].items() for mode in modes}
     untimed = [b for b in result.get("built", []) if (b["model"], b["variant"], b["mode"]) not in timed]
     if untimed and not result.get("complete", True):
         lines.append("")
         lines += [f"* built, not timed (the run stopped first): {b['model']} {b['variant']} {b['mode']}, "
-                  f"first step {b['first_step_s']:.1f} s" for b in untimed]
+                  f"first step {_ms(b['first_step_s'])} s" for b in untimed]
+    if result.get("not_run"):
+        lines += ["", f"* not run ({result['not_run'][0]['reason']}): "
+                  + ", ".join(f"{n['model']} {n['variant']} {n['mode']}" for n in result["not_run"])]
     lines += [f"* {mode} skipped: {why}" for mode, why in result.get("skipped", {}).items()]
     if result.get("triton"):
         lines.append(f"* after the run: {result['triton']}")
     return lines + [""]
+
+
+def _ratio_lines(parts: dict) -> list[str]:
+    """One table of the step parts' ratios against local BN in the same mode, per model and
+    distnorm variant, each next to its goal: what issue 55 asks of the compiled path."""
+    entries: dict[tuple[str, str], dict[str, dict]] = {}
+    goals: dict[str, float | None] = {}
+    modes: list[str] = []
+    for name in STEP_PARTS:
+        result = parts.get(name, {}).get("result")
+        if not result:
+            continue
+        goals.update(result.get("goals", {}))
+        modes += [m for m in result["config"]["modes"] if m not in modes]
+        for model, r in result["models"].items():
+            for variant, by_mode in r["variants"].items():
+                entries.setdefault((model, variant), {}).update(by_mode)
+        for n in result.get("not_run", []):
+            entries.setdefault((n["model"], n["variant"]), {}).setdefault(n["mode"], {"not_run": True})
+    if not entries:
+        return []
+    order = ["eager", "compile", "reduce_overhead"]
+    modes = sorted(modes, key=lambda m: order.index(m) if m in order else len(order))
+    lines = ["## Step ratios against local BN in the same mode (one GPU)", "",
+             "Each distnorm variant's training step against local `nn.BatchNorm2d`'s in the same mode, timed in "
+             "the same rounds (the step parts below), next to its goal; local BN's own step in ms.", "",
+             "| model | variant | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
+    for (model, variant), by_mode in entries.items():
+        cells = []
+        for mode in modes:
+            e = by_mode.get(mode)
+            if e is None:
+                cells.append("")
+            elif e.get("not_run"):
+                cells.append("not run (time)")
+            elif "error" in e:
+                cells.append(f"failed ({e['phase']})")
+            elif variant == "local_bn":
+                cells.append(f"{e['median_step_ms']:.1f} ms")
+            else:
+                same = e.get("ratio_vs_local_bn_same_mode")
+                goal = goals.get(mode)
+                cells.append(f"{_x(same)}" + ("" if goal is None else f" ({_goal_cell(same, goal)})"))
+        lines.append(f"| {model} | {variant} | " + " | ".join(cells) + " |")
+    goal_text = "; ".join(f"{mode}: {'≤ ' + format(g, '.2f') + '×' if g is not None else 'none'}"
+                          for mode, g in goals.items() if mode in modes)
+    return lines + ["", f"Goals: {goal_text}.", ""]
 
 
 def _host_lines(host: dict) -> list[str]:
@@ -478,6 +596,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {_status_line(part)} | {part.get('wall_s', '')} | "
                      f"{messages if 'triton_messages' in part else ''} |")
     lines.append("")
+    lines += _ratio_lines(report["parts"])
     tests = report["parts"]["tests"]
     lines += ["## Tests", ""]
     if "passed" not in tests:
@@ -492,6 +611,10 @@ def markdown(report: dict) -> str:
         lines += [f"* FAILED `{f['test']}`: {f['message'].splitlines()[0] if f['message'] else f['kind']}"
                   for f in tests["failures"]] + ([""] if tests["failures"] else [])
     lines += ["## Training step, eager (one GPU)", "", *_step_lines(report["parts"]["step_eager"])]
+    for name, title in (("step_compile", "compiled and CUDA graphs, ResNet-50"),
+                        ("step_compile_more", "compiled and CUDA graphs, ResNet-18 and EfficientNet-B0")):
+        lines += [f"## Training step, {title} (one GPU)", "",
+                  *_step_lines(report["parts"].get(name, {"status": "skipped", "reason": "not in this report"}))]
     lines += _host_lines(report["parts"].get("host", {"status": "skipped", "reason": "not in this report"}))
     lines += _profile_lines(report["parts"].get("profile", {"status": "skipped", "reason": "not in this report"}))
     layers = report["parts"]["layers"]
@@ -515,7 +638,6 @@ def markdown(report: dict) -> str:
                   "| path | images/s | × PIL on 1 core |", "|---|---|---|"]
         ips = r["images_per_second"]
         lines += [f"| {name} | {ips[name]:.0f} | {ips[name] / ips['pil_1_core']:.2f} |" for name in ips] + [""]
-    lines += ["## Training step, compiled (one GPU)", "", *_step_lines(report["parts"]["step_compile"])]
     return "\n".join(lines)
 
 
@@ -580,9 +702,10 @@ def main(argv=None) -> int:
     try:
         for part in wanted:
             left = deadline - time.monotonic()
-            if left < MIN_PART_S:
+            needed = max(MIN_PART_S, args.min_s.get(part, 0.0))
+            if left < needed:
                 parts[part] = {"status": "skipped", "reason": f"no time left: {left:.0f} s of the {args.budget_s:.0f} s "
-                                                              "budget (--budget-s)"}
+                                                              f"budget (--budget-s), under the {needed:.0f} s it needs"}
             elif part == "tests":  # with or without CUDA: the tests skip what the machine lacks themselves
                 parts[part] = _run_part(part, args, min(args.limits_s.get(part, left), left), report, save)
             elif not cuda["device_count"]:

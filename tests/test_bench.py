@@ -189,45 +189,143 @@ def test_use_stable_allocator_reexecutes_once(monkeypatch):
 
 @pytest.fixture(scope="module")
 def step_gpu_smoke(tmp_path_factory) -> dict:
-    """bench/step_gpu.py in its smoke sizes on the CPU, both modes, asked for compiled first;
-    compiled with dynamo's ``eager`` backend (tracing only: inductor on 2 cores takes minutes;
-    tests/test_compile.py checks compiled layers against eager)."""
+    """bench/step_gpu.py in its smoke sizes on the CPU, local BN and CBN in every mode, asked
+    for compiled first; compiled with dynamo's ``eager`` backend (tracing only: inductor on 2
+    cores takes minutes; tests/test_compile.py checks compiled layers against eager), and so
+    ``reduce_overhead`` with dynamo's ``cudagraphs`` backend (AOTAutograd; on a CPU no graph is
+    captured and inductor counts the skip). One distnorm variant: the path is the same for
+    each, and each compiled build costs seconds here."""
     out = tmp_path_factory.mktemp("step_gpu") / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # bf16 on a shared 2-core CPU: threads only contend
     subprocess.run([sys.executable, str(REPO / "bench" / "step_gpu.py"), "--smoke", "--device", "cpu",
-                    "--modes", "compile", "eager", "--compile-backend", "eager", "--json", str(out)],
-                   check=True, cwd=REPO, timeout=300, env=env)
+                    "--modes", "reduce_overhead", "compile", "eager", "--variants", "cbn", "--compile-backend", "eager",
+                    "--json", str(out)], check=True, cwd=REPO, timeout=300, env=env)
     return json.loads(out.read_text())
+
+
+MODES = ["eager", "compile", "reduce_overhead"]
+
+
+def _exact_step_figures(table: dict, batch: int) -> None:
+    """The JSON rounds nothing, so each timed entry's figures follow from each other exactly;
+    a failed one has its error and phase instead."""
+    for modes in table.values():
+        for mode, e in modes.items():
+            if "error" in e:
+                assert "median_step_ms" not in e and e["phase"] in ("build", "first step", "second step",
+                                                                   "peak memory step", "timing"), e
+                continue
+            assert e["images_per_s"] == pytest.approx(batch / (e["median_step_ms"] / 1e3), rel=1e-12)
+            assert e["ratio_vs_local_bn_same_mode"] == pytest.approx(e["median_step_ms"] / e["local_bn_same_mode_ms"],
+                                                                     rel=1e-12)
+            assert e["ratio_vs_local_bn_eager"] == pytest.approx(e["median_step_ms"] / e["local_bn_eager_ms"], rel=1e-12)
+            if mode == "eager":
+                assert e["local_bn_same_mode_ms"] == e["local_bn_eager_ms"]
+            assert e["peak_memory_bytes"] is None  # no allocator statistics on the CPU
+            _measured({f"{mode} {k}": e[k] for k in ("median_step_ms", "local_bn_eager_ms", "first_step_s",
+                                                     "second_step_s")})
 
 
 @pytest.mark.timeout(300)
 def test_bench_step_gpu_smoke(step_gpu_smoke):
-    """Every eager build before any compiled one (a run cut short keeps the cheap figures);
-    each ratio against local BN eager timed in the same block. Bug caught: the blocks in the
-    order asked for (compiled first)."""
-    result = step_gpu_smoke
-    assert result["config"] | {"batch": 2, "size": 32} == result["config"] and result["config"]["amp"] == "bf16"
-    assert result["complete"] is True and result["config"]["modes"] == ["eager", "compile"]
-    (name,) = result["models"]
-    variants = ["local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded"]
-    # the eager block, then the compiled block: local BN eager (its baseline), every variant compiled
-    assert [(b["model"], b["variant"], b["mode"]) for b in result["built"]] == (
-        [(name, v, "eager") for v in variants] + [(name, "local_bn", "eager")] + [(name, v, "compile") for v in variants])
-    table = result["models"][name]["variants"]
-    baseline = result["models"][name]["baseline_ms"]
-    assert list(table) == variants and all(list(m) == ["eager", "compile"] for m in table.values())
-    assert table["local_bn"]["eager"]["ratio_vs_local_bn_eager"] == 1.0
-    assert baseline["eager"] == table["local_bn"]["eager"]["median_step_ms"]
+    """Every eager build before any compiled one (a run cut short keeps the cheap figures), the
+    compiled block variant by variant (local BN first: the baselines), each ratio against local
+    BN in the same mode and eager, timed in the same rounds, the goals, and per compiled member
+    what dynamo and inductor did, counted over every one of its steps. Bugs caught: the blocks in
+    the order asked for (compiled first); a figure rounded so that it no longer follows from the
+    others (images/s from the step time: a slow step failed the check)."""
+    step_gpu = step_gpu_smoke
+    cfg = step_gpu["config"]
+    assert cfg | {"batch": 2, "size": 32, "repeats": 1} == cfg and cfg["amp"] == "bf16"
+    assert step_gpu["complete"] is True and cfg["modes"] == MODES and cfg["variants"] == ["local_bn", "cbn"]
+    assert cfg["compiled_as"] == {"compile": 'torch.compile(model, backend="eager")',
+                                  "reduce_overhead": 'torch.compile(model, backend="cudagraphs")'}
+    assert cfg["recompile_limit"] >= 64 and cfg["time_budget_s"] is None and step_gpu["not_run"] == []
+    assert step_gpu["goals"] == {"eager": None, "compile": 1.05, "reduce_overhead": 1.05}
+    (name,) = step_gpu["models"]
+    # the eager block, then the compiled block variant by variant (its local BN eager baseline unreported)
+    assert [(b["model"], b["variant"], b["mode"]) for b in step_gpu["built"]] == (
+        [(name, "local_bn", "eager"), (name, "cbn", "eager"), (name, "local_bn", "compile"),
+         (name, "local_bn", "reduce_overhead"), (name, "cbn", "compile"), (name, "cbn", "reduce_overhead")])
+    table = step_gpu["models"][name]["variants"]
+    assert list(table) == ["local_bn", "cbn"] and all(list(m) == MODES for m in table.values())
+    _exact_step_figures(table, batch=2)
+    assert all(e["ratio_vs_local_bn_same_mode"] == 1.0 for e in table["local_bn"].values())
     for variant, modes in table.items():
-        for mode, e in modes.items():  # the JSON rounds nothing: each figure follows from the others exactly
-            assert e["images_per_s"] == pytest.approx(2 / (e["median_step_ms"] / 1e3), rel=1e-12)
-            assert e["ratio_vs_local_bn_eager"] == pytest.approx(e["median_step_ms"] / baseline[mode], rel=1e-12)
-            assert e["peak_memory_bytes"] is None  # no allocator statistics on the CPU
-    assert set(result["ratios"]) == {f"step_{v}_{m}_vs_local_bn_eager_{name}" for v in variants for m in ("eager", "compile")
-                                     if (v, m) != ("local_bn", "eager")}
-    _measured(result["ratios"])
-    _measured({f"baseline {mode}": value / 1e3 for mode, value in baseline.items()})
-    assert result["triton"] is None  # recorded on CUDA only
+        assert "dynamo" not in modes["eager"] and "cudagraphs" not in modes["compile"]
+        for mode in ("compile", "reduce_overhead"):
+            dynamo = modes[mode]["dynamo"]
+            assert set(dynamo) == {"frames_first_step", "graphs", "graph_breaks", "graph_break_reasons", "recompiles",
+                                   "steps"}
+            # the first and second steps (no peak-memory step off CUDA), then each timing's warm-up
+            # and one repeat: local BN is timed with itself and again with CBN
+            assert dynamo["steps"] == 2 + 2 * (2 if variant == "local_bn" else 1), (variant, mode, dynamo)
+            assert dynamo["frames_first_step"] >= 1 and dynamo["graphs"] >= 1
+            assert dynamo["graph_breaks"] == sum(dynamo["graph_break_reasons"].values())
+        graphs = modes["reduce_overhead"]["cudagraphs"]  # on a CPU: skipped, and said why
+        assert graphs["counters"]["cudagraph_skips"] >= 1 and any("cpu" in m for m in graphs["messages"]), graphs
+    assert set(step_gpu["ratios"]) == {f"step_{v}_{m}_vs_local_bn_eager_{name}" for v in table for m in MODES
+                                       if (v, m) != ("local_bn", "eager")} | {
+        f"step_cbn_{m}_vs_local_bn_{m}_{name}" for m in ("compile", "reduce_overhead")}
+    _measured(step_gpu["ratios"])
+    assert step_gpu["triton"] is None  # recorded on CUDA only
+
+
+def test_step_gpu_records_failures_and_stops_for_time(monkeypatch):
+    """A member that raises at its build or while timed is recorded with its error and phase,
+    and the block goes on without it; with ``--time-budget-s``, no build starts that the time
+    left would not finish, and what was not built is listed (the GPU report's part then ends by
+    itself instead of at its limit). Bugs caught: one failing variant losing the whole block; a
+    stop for time losing the figures already taken."""
+    step_gpu = _bench_module("step_gpu", monkeypatch)
+    build, make_step = step_gpu.build, step_gpu.make_step
+    # the budget itself: the longest build of a mode so far, x1.25, and the longest timing
+    budget = step_gpu.TimeBudget(time.monotonic() + 100)
+    assert budget.allows("compile") and step_gpu.TimeBudget(None).allows("compile")
+    budget.built("compile", 90)
+    assert not budget.allows("compile") and budget.allows("eager") and not budget.allows("eager", "compile")
+    budget.timing_s = 150
+    assert not budget.allows("eager")
+
+    def failing_build(name, variant, num_classes):
+        if variant == "popnorm":
+            raise RuntimeError("no POP-Norm here")
+        return build(name, variant, num_classes=num_classes)
+
+    def failing_step(model, forward, x, y, amp, **kwargs):
+        step, calls = make_step(model, forward, x, y, amp, **kwargs), []
+
+        def run():
+            calls.append(None)
+            if len(calls) == 3 and any(isinstance(m, distnorm.CBN) for m in model.modules()):
+                raise RuntimeError("CBN fails at its third step")  # the timing's warm-up
+            step()
+        return run
+
+    import distnorm
+
+    monkeypatch.setattr(step_gpu, "build", failing_build)
+    monkeypatch.setattr(step_gpu, "make_step", failing_step)
+    allowed = iter([True] * 5)  # the block, local BN, SyncBatchNorm, POP-Norm, CBN; then no more time
+    monkeypatch.setattr(step_gpu.TimeBudget, "allows", lambda self, *modes: next(allowed, False))
+    result = step_gpu.main(["--smoke", "--device", "cpu", "--modes", "eager", "compile", "--compile-backend", "eager",
+                            "--variants", "syncbn", "popnorm", "cbn", "bnp_gn", "--time-budget-s", "600"])
+    table = result["models"]["resnet20"]["variants"]
+    assert {v: modes["eager"].get("phase") for v, modes in table.items()} == {
+        "local_bn": None, "syncbn": None, "popnorm": "build", "cbn": "timing"}
+    assert table["popnorm"]["eager"] == {"error": "RuntimeError: no POP-Norm here", "phase": "build"}
+    assert table["cbn"]["eager"]["error"] == "RuntimeError: CBN fails at its third step"
+    _exact_step_figures(table, batch=2)
+    assert [(n["variant"], n["mode"]) for n in result["not_run"]] == [("bnp_gn", "eager"), ("local_bn", "compile"), (
+        "syncbn", "compile"), ("popnorm", "compile"), ("cbn", "compile"), ("bnp_gn", "compile")]
+    assert all(n["reason"].startswith("out of time: --time-budget-s 600") for n in result["not_run"])
+    assert result["complete"] is True and set(result["ratios"]) == {"step_syncbn_eager_vs_local_bn_eager_resnet20"}
+    # the GPU report's table of it
+    lines = "\n".join(_bench_module("gpu_report", monkeypatch)._step_lines(
+        {"status": "ran", "command": "python bench/step_gpu.py", "result": result}))
+    assert "| resnet20 | popnorm | eager | failed (build) |" in lines
+    assert "* resnet20 cbn eager failed at its timing: `RuntimeError: CBN fails at its third step`" in lines
+    assert "* not run (out of time: --time-budget-s 600 would have run out first): resnet20 bnp_gn eager, " in lines
 
 
 def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
@@ -275,8 +373,8 @@ def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
 
     seen = []
     make_step = step_gpu.make_step
-    monkeypatch.setattr(step_gpu, "make_step", lambda model, forward, x, y, amp: seen.append((model, x))
-                        or make_step(model, forward, x, y, amp))
+    monkeypatch.setattr(step_gpu, "make_step", lambda model, forward, x, y, amp, **kwargs: seen.append((model, x))
+                        or make_step(model, forward, x, y, amp, **kwargs))
     result = step_gpu.main(["--smoke", "--device", "cpu", "--modes", "eager", "--variants", "gn",
                             "--memory-format", "contiguous"])
     assert result["config"]["channels_last"] is False and len(seen) == 2  # local BN and GN
@@ -303,7 +401,7 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
     assert all("CUDA" in reason for reason in tests["skip_reasons"])
     assert "-m cuda" in tests["command"] and (tmp_path / "report.tests.xml").is_file()
     assert (tmp_path / tests["log"]).read_text().startswith("$ ")
-    for part in ("step_eager", "host", "profile", "layers", "decode", "step_compile"):
+    for part in ("step_eager", "step_compile", "step_compile_more", "host", "profile", "layers", "decode"):
         assert report["parts"][part] == {"status": "skipped", "reason": report["cuda"]["reason"]}
     triton = report["triton"]
     assert set(triton) == {"imports", "version", "error", "cc", "DISTNORM_TRITON"} and set(triton["cc"]) == {"path", "source", "version"}
@@ -335,6 +433,31 @@ def test_gpu_report_to_out_bundles_the_parts(tmp_path, monkeypatch):
     assert gpu_report.parse_args(["--out", str(tmp_path)]).bundle is False  # a folder of one's own: as before
 
 
+@pytest.mark.timeout(300)
+def test_gpu_report_tells_the_step_parts_their_time(tmp_path, monkeypatch):
+    """A step part is given ``--time-budget-s`` (its limit less the margin for its start and
+    its last timing), so it ends by itself; a part is not started with less time left than
+    its plan says it needs to finish anything. Bug caught: a compiled part started with a
+    minute left, stopped at its limit before its first figure."""
+    gpu_report = _bench_module("gpu_report", monkeypatch)
+    monkeypatch.setattr(gpu_report, "cuda_info", lambda: {"device_count": 1, "devices": ["a GPU stand-in"],
+                                                          "torch_cuda": None, "cudnn": None, "reason": None})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # the step parts on this CPU (the last --device wins), eager only: local BN and CBN
+    assert gpu_report.main(["--only", "step_eager", "step_compile", "--out", str(tmp_path), "--name", "r", "--budget-s",
+                            "120", "--part-timeout", "step_eager=100",
+                            "--step-args=--device cpu --smoke --variants cbn"]) == 0
+    parts = json.loads((tmp_path / "r.json").read_text())["parts"]
+    eager = parts["step_eager"]
+    assert eager["status"] == "ran", eager
+    assert " --modes eager --time-budget-s 80 --device cpu --smoke --variants cbn" in eager["command"]
+    assert eager["result"]["config"]["time_budget_s"] == 80 and eager["result"]["not_run"] == []
+    assert list(eager["result"]["models"]["resnet20"]["variants"]) == ["local_bn", "cbn"]
+    left = parts["step_compile"]
+    assert left["status"] == "skipped" and left["reason"].startswith("no time left: "), left
+    assert left["reason"].endswith(f"under the {gpu_report.PLANS['default'].min_s['step_compile']:.0f} s it needs")
+
+
 def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
     """The report's summary of a JUnit file (a failure fails the part), its step tables, and a
     step part stopped at its limit: what it finished, and what it built but did not time."""
@@ -362,15 +485,35 @@ def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
                         "host": {"status": "ran", "command": "python bench/host_cost.py", "result": host},
                         "layers": {"status": "skipped", "reason": "not asked for (--only)"},
                         "decode": {"status": "skipped", "reason": "not asked for (--only)"},
-                        "step_compile": {"status": "timed out", "reason": "stopped after 300 s (its time limit)",
-                                         "command": "python bench/step_gpu.py --modes compile", "result": cut,
-                                         "triton_messages": ["RuntimeWarning: distnorm: the Triton kernel failed"]}}}
+                        "step_compile": {"status": "ran", "command": "python bench/step_gpu.py --modes compile",
+                                         "result": step_gpu_smoke, "triton_messages": []},
+                        "step_compile_more": {"status": "timed out", "reason": "stopped after 200 s (its time limit)",
+                                              "command": "python bench/step_gpu.py --modes compile", "result": cut,
+                                              "triton_messages": ["RuntimeWarning: distnorm: the Triton kernel failed"]}}}
     md = gpu_report.markdown(report)
     assert "Not installed: deepspeed" in md and "* FAILED `tests.test_cuda::c`: AssertionError: 1 != 2" in md
-    assert "| resnet20 | local_bn | eager | " in md and "| resnet20 | bnp_gn | compile | " in md
-    assert "timed out: stopped after 300 s (its time limit); what it finished:" in md
+    assert "| resnet20 | local_bn | eager | " in md and "| resnet20 | cbn | reduce_overhead | " in md
+    assert "timed out: stopped after 200 s (its time limit); what it finished:" in md
     assert "* built, not timed (the run stopped first): resnet50 cbn compile, first step 75.2 s" in md
-    assert "| step_compile | timed out: stopped after 300 s (its time limit) |" in md
+    assert "| step_compile_more | timed out: stopped after 200 s (its time limit) |" in md
+    # each ratio next to its goal: in the parts' tables, and in the summary that opens the report
+    cbn = step_gpu_smoke["models"]["resnet20"]["variants"]["cbn"]
+    local_bn = step_gpu_smoke["models"]["resnet20"]["variants"]["local_bn"]
+
+    def goal(mode: str) -> str:
+        ratio = cbn[mode]["ratio_vs_local_bn_same_mode"]
+        return f"≤ 1.05: {'met' if ratio <= 1.05 else 'not met'}"
+
+    assert (f"| resnet20 | cbn | compile | {cbn['compile']['median_step_ms']:.1f} | "
+            f"{cbn['compile']['ratio_vs_local_bn_same_mode']:.3f} | {goal('compile')} | ") in md
+    assert f"| resnet20 | cbn | eager | {cbn['eager']['median_step_ms']:.1f} | " in md
+    assert md.index("## Step ratios against local BN in the same mode") < md.index("## Tests")
+    assert "| model | variant | eager | compile | reduce_overhead |" in md
+    assert ("| resnet20 | local_bn | " + " | ".join(f"{local_bn[m]['median_step_ms']:.1f} ms" for m in MODES) + " |") in md
+    assert (f"| resnet20 | cbn | {cbn['eager']['ratio_vs_local_bn_same_mode']:.3f} | "
+            + " | ".join(f"{cbn[m]['ratio_vs_local_bn_same_mode']:.3f} ({goal(m)})" for m in MODES[1:]) + " |") in md
+    assert "Goals: eager: none; compile: ≤ 1.05×; reduce_overhead: ≤ 1.05×." in md
+    assert "* resnet20 cbn reduce_overhead, CUDA graphs: counters {'cudagraph_skips': " in md
     assert "`RuntimeWarning: distnorm: the Triton kernel failed`" in md
     assert "| batchnorm2d | " in md and "| 1.00 | None |" in md and "| cbn | " in md  # host part: every layer
     assert "cbn: costliest Python functions" in md
