@@ -357,7 +357,7 @@ def _assert_own_state(model: nn.Module, twin: nn.Module, how: str) -> None:
             state, twin_state = a.__dict__.get(attr), b.__dict__.get(attr)
             if state is None:
                 continue
-            assert twin_state is not state and _functions._state_of(twin_state.key) is twin_state, (how, name)
+            assert twin_state is not state and _functions._STATES.get(twin_state.key) is twin_state, (how, name)
             assert not twin_state.stash._entries and twin_state.pending is None, (how, name)
 
 
