@@ -348,13 +348,16 @@ def traced_reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, s
 
     numel, device = tensor.numel(), tensor.device
     length, (fingerprint, code) = _traced_frame_length(numel), _fingerprints(slot, *shape)
+    # Fills of slices, never an indexed assignment: that copies a host scalar, which CUDA-graph
+    # capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture").
     header = torch.zeros(2 * size, dtype=torch.float64, device=device)
-    header[rank], header[size + rank] = fingerprint, code
+    header.narrow(0, rank, 1).fill_(fingerprint)
+    header.narrow(0, size + rank, 1).fill_(code)
     whole = torch.cat([tensor.reshape(-1).to(torch.float64), header.new_zeros(length - numel), header])
     whole = funcol.all_reduce(whole, "sum", group)
     received = whole[length:]
     expected = torch.full((2 * size,), fingerprint, dtype=torch.float64, device=device)
-    expected[size:] = code
+    expected.narrow(0, size, size).fill_(code)
     log = _log(str(device), size)
     first = (received != expected).any() & (log[:1] == 0)  # a slice: log[0] would be read as a Python float
     log.copy_(torch.where(first, torch.cat([received.new_ones(1), received]), log))
