@@ -110,14 +110,16 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
 
 
 def running_update(moments: _collectives.Moments, h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Tensor,
-                   cfg: BNPSpec) -> tuple[torch.Tensor, torch.Tensor, Any]:
+                   cfg: BNPSpec, before: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """The arithmetic of :func:`layer_statistics` from the global ``moments`` of ``h``
     (eager, and as ``torch.compile`` traces it: :func:`distnorm._traced.bnp_statistics`):
-    the buffers updated in place; returns ``(mean, var_t, count)``."""
+    the buffers updated in place; returns ``(mean, var_t, count)``. ``before``: the
+    buffers' values to blend from, when not the buffers themselves (compiled code's copies)."""
     count, batch_mean, batch_var, _ = moments
     local = h.numel() // h.shape[1] if h.shape[1] else 0
     weight = 1.0 - cfg.decay
-    old_mean, old_var = _fused.before_update(mean_buf), _fused.before_update(var_buf)
+    old_mean, old_var = (mean_buf, var_buf) if before is None else before
     batch_mean = batch_mean.to(mean_buf.dtype)
     if local <= 1:
         # A global batch of one value per feature: the variance is measured around the

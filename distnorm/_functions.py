@@ -69,6 +69,10 @@ tracing; each schema is read from its kernel's signature. All of them run in eag
 * ``distnorm::bnp_precondition``: BNP's gradient transform on the CPU in one pass
   (:mod:`distnorm._cpu_kernels`; the maths: :func:`distnorm._bnp_functions.bnp_precondition`).
 
+One operator runs in compiled code only: ``distnorm::snapshot``, copies of the AMAT and BNP
+buffers that a compiled step reads before updating them in place
+(:func:`distnorm._traced.cbn_statistics` says why it is an operator).
+
 The operators run with autograd off (inside the statistics step and the hand-written
 backward), so none needs an autograd formula; declaring them on a
 :class:`~torch.library.Library` rather than with ``torch.library.custom_op`` spares every
@@ -77,9 +81,10 @@ call that decorator's Python wrapper, whose host time is what the fusion saves o
 
 Compiled. Under ``torch.compile`` the statistics step and the backward are
 :mod:`distnorm._traced`'s: the same mathematics as ATen calls Inductor decomposes and fuses
-with the model's kernels, and one functional all-reduce per phase -- no opaque operator, and
-no host decision the graph would guard on (a compiled model trains across AMAT's phases in
-one graph).
+with the model's kernels, and one functional all-reduce per phase -- opaque to the compiler
+are only the collectives and ``distnorm::snapshot`` (a copy kernel per AMAT or BNP buffer),
+and no host decision is left for the graph to guard on (a compiled model trains across AMAT's
+phases in one graph).
 
 CUDA graphs. A captured step is replayed at other learning rates and buffer states, so while
 capturing (:func:`distnorm._collectives.capturing`) a layer takes the decisions a replay keeps:
@@ -377,7 +382,7 @@ def _compiled_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, 
     """The statistics step as ``torch.compile`` traces it (:mod:`distnorm._traced`)."""
     if state.kind == "bn":
         return NormPlan(*_traced.bn_statistics(x, weight, buffers, state))
-    return NormPlan(*_traced.cbn_statistics(x, weight, bias, buffers, eta, state))
+    return NormPlan(*_traced.cbn_statistics(x, weight, bias, buffers, eta, state, torch.ops.distnorm.snapshot))
 
 
 class NormalizeFunction(torch.autograd.Function):
@@ -424,7 +429,7 @@ def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Te
     it (:func:`distnorm._traced.bnp_statistics`). ``state``: the layer's
     :class:`~distnorm._bnp_functions.BNPLayerState`."""
     if torch.compiler.is_compiling():
-        return _traced.bnp_statistics(h, mean, var, state)
+        return _traced.bnp_statistics(h, mean, var, state, torch.ops.distnorm.snapshot)
     return _bnp_functions.layer_statistics(h, mean, var, state)
 
 
@@ -699,6 +704,20 @@ def _backward_sums_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Te
 
 _define("cbn_plan", _fused.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
 _define("backward_sums", _fused.backward_sums, _backward_sums_fake)
+
+
+# Copies of the buffers a compiled step updates in place, read by its backward
+# (distnorm._traced.cbn_statistics says why): an operator the compiler keeps, so that its
+# partitioner saves the copies rather than recompute from the updated buffers.
+def _snapshot(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def _snapshot_fake(tensors: list[Tensor]) -> list[Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
+_define("snapshot", _snapshot, _snapshot_fake)
 
 
 # The backward's element-wise pass on the CPU (kernel: distnorm._cpu_kernels), with the schema

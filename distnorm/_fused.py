@@ -87,7 +87,7 @@ from distnorm import _collectives, _cpu_kernels
 from distnorm._cpu_kernels import cpu_kernel_enabled
 from distnorm._collectives import ProcessGroup, constant
 
-__all__ = ["TritonState", "backward_sums", "before_update", "backward_sums_composite", "blend", "cbn_plan", "cbn_plan_composite",
+__all__ = ["TritonState", "backward_sums", "backward_sums_composite", "blend", "cbn_plan", "cbn_plan_composite",
            "cpu_kernel_decision", "grad_coef_of", "interpreted_kernels", "kernel_choice", "load_interpreted",
            "synced_moments", "to_dtype", "triton_decision", "triton_enabled", "triton_state", "triton_vote",
            "update_running"]
@@ -97,24 +97,6 @@ __all__ = ["TritonState", "backward_sums", "before_update", "backward_sums_compo
 def to_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     """``t`` in ``dtype`` (no op when it already is, or when ``t`` is None)."""
     return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
-def before_update(buffer: Tensor) -> Tensor:
-    """``buffer`` as the step reads it before updating it in place: itself in eager mode;
-    under ``torch.compile`` a copy the backward can read instead of the buffer.
-
-    Why: AOTAutograd applies a graph's in-place updates of its inputs after the forward, and
-    its min-cut partitioner may save such an input for the backward and recompute from it what
-    the backward needs -- from the buffer already updated (compiled CBN's gradients were off
-    by 1e-4 to 1 from its second step at eta = 0.5, silently; pytorch/pytorch#197039, open,
-    pins such reads). The partitioner never recomputes a reduction whose output is 4x smaller
-    than its input (``ban_recompute_reductions``, also under aggressive recomputation), so
-    the copy is the exact maximum over 5 expanded views of the buffer (a view: no memory, and
-    Inductor fuses the read into its kernels): saved, C values."""
-    if not torch.compiler.is_compiling():
-        return buffer
-    copies = buffer.unsqueeze(0).expand(5, *buffer.shape)
-    return copies.amax(0) if buffer.is_floating_point() else copies.any(0)
 
 
 def grad_coef_of(r_mu: Tensor, q: Tensor, w: Tensor, count: int | Tensor) -> Tensor:
@@ -168,7 +150,8 @@ def update_running(running_mean: Tensor | None, running_var: Tensor | None, num_
 
 # ------------------------------------------------------------------ distnorm::cbn_plan
 def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Sequence[Tensor], buffers: Sequence[Tensor],
-                       hyper: Sequence[float], momentum: Optional[float], amat_ready: bool) -> tuple[Tensor, ...]:
+                       hyper: Sequence[float], momentum: Optional[float], amat_ready: bool,
+                       amat_before: Optional[Sequence[Tensor]] = None) -> tuple[Tensor, ...]:
     """CBN's per-channel step (SPEC §1; POP-Norm: ``rho = 1``, ``r_max = 1``), in ATen calls.
 
     Per channel, with ``mu_B = mean``, ``var(x) = var`` and ``eta`` (given when history blends in)::
@@ -197,6 +180,9 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
         hyper: ``[eps, rho, r_max]``.
         momentum: the running statistics' (``None``: cumulative average).
         amat_ready: the host saw the AMAT buffers initialised (no device-side check needed).
+        amat_before: the values of ``amat_mean``, ``amat_var``, ``amat_initialized`` to blend
+            with, when not the buffers themselves: compiled code passes copies
+            (:func:`distnorm._traced.cbn_statistics` says why).
 
     Returns ``(center, var_U, invstd, a, grad_coef, beta_coef)``, all new tensors.
     """
@@ -208,7 +194,8 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
     acc = mu_b.dtype
     beta = to_dtype(bias, acc)
     if eta:
-        mu_u, d, var_u, invstd, q, r_mu, center, w = _with_history(mu_b, var_x, beta, to_dtype(eta[0], acc), buffers,
+        amat = buffers[:3] if amat_before is None else amat_before
+        mu_u, d, var_u, invstd, q, r_mu, center, w = _with_history(mu_b, var_x, beta, to_dtype(eta[0], acc), amat,
                                                                    (eps, r_max), amat_ready)
     else:
         # No history (AMAT off, or eta = 0 at learning rates >= 1/omega): mu_U = mu_B,
@@ -228,12 +215,12 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
     return center, var_u, invstd, a, grad_coef, beta_coef
 
 
-def _with_history(mu_b: Tensor, var_x: Tensor, beta: Tensor, eta: Tensor, buffers: Sequence[Tensor],
+def _with_history(mu_b: Tensor, var_x: Tensor, beta: Tensor, eta: Tensor, amat: Sequence[Tensor],
                   limits: tuple[float, float], amat_ready: bool) -> tuple[Tensor, ...]:
     """The AMAT blend and the stop-gradient ratios: ``(mu_U, d, var_U, invstd, q, r_mu,
     center, w)`` of :func:`cbn_plan_composite` (``limits``: ``eps`` and ``r_max``)."""
     eps, r_max = limits
-    amat_mean, amat_var, amat_initialized = (before_update(b) for b in buffers[:3])
+    amat_mean, amat_var, amat_initialized = amat
     mu_a, var_a = to_dtype(amat_mean, mu_b.dtype), to_dtype(amat_var, mu_b.dtype)
     if not amat_ready:  # "update, then substitute" starts from this batch
         mu_a = torch.where(amat_initialized, mu_a, mu_b)

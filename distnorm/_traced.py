@@ -32,7 +32,7 @@ recomputation would repeat the buffer updates the eager path stashes).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -70,14 +70,24 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
 
 
 def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Tensor], eta: Tensor,
-                   state: Any) -> tuple[Tensor, ...]:
+                   state: Any, snapshot: Callable[[list[Tensor]], list[Tensor]]) -> tuple[Tensor, ...]:
     """CBN's / POP-Norm's statistics step (SPEC §1): the plan's fields, the AMAT and running
     buffers updated in place (:func:`distnorm._fused.cbn_plan_composite`, traced).
 
     A layer with AMAT (``state.amat``) always blends history with ``eta`` read on the device,
     and always checks the AMAT buffers' initialisation on the device: the host's knowledge of
     either (``state.history``, ``state.amat_ready``) changes during training, and a graph
-    reading it would recompile, or a captured one replay a stale branch."""
+    reading it would recompile, or a captured one replay a stale branch.
+
+    The AMAT buffers are read through ``snapshot`` (``distnorm::snapshot``: copies, made by an
+    operator the compiler keeps). Why: AOTAutograd applies a graph's in-place updates of its
+    inputs after the forward, and its min-cut partitioner may save such an input for the
+    backward and recompute from it what the backward needs -- from the buffer already updated
+    (compiled CBN's gradients were off by 1e-4 to 1 at eta = 0.5; pytorch/pytorch#197039,
+    open, pins such reads). It never recomputes an operator outside ATen's allowlist, so it
+    saves the copies instead (C values). A copy as ATen ops is recomputable; one as a
+    reduction the partitioner bans (the maximum over expanded views) made Inductor's CUDA code
+    write a wrong AMAT mean (bench/results/gpu-2026-11-28-c-diagnostics.md)."""
     group = state.group()
     count, mean, var, valid = _collectives.traced_moments(x.detach(), group, state.name)
     if isinstance(count, int):
@@ -86,18 +96,22 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
         host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
     params = [weight.detach(), bias.detach()] + ([eta] if state.amat else [])
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
+    amat_before = snapshot(list(buffers[:3])) if state.amat else None
     plan = _fused.cbn_plan_composite(moments, host_count, params, list(buffers), hyper, state.momentum,
-                                     amat_ready=False)
+                                     amat_ready=False, amat_before=amat_before)
     if state.stats_sink is not None:  # the theory monitors' references (distnorm.monitors)
         state.stats_sink.update(mean=mean, var=var, center=plan[0], eps=state.eps)
     return plan
 
 
-def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Tensor, Tensor, Any]:
+def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any,
+                   snapshot: Callable[[list[Tensor]], list[Tensor]]) -> tuple[Tensor, Tensor, Any]:
     """BNP's statistics step on a preconditioned layer's input (``(mean, var_t, count)``;
-    :func:`distnorm._bnp_functions.running_update`), the moments updated in place."""
+    :func:`distnorm._bnp_functions.running_update`), the moments updated in place and read
+    through ``snapshot`` (:func:`cbn_statistics` says why)."""
     moments = _collectives.traced_moments(h.detach(), state.group(), f"BNP '{state.name}'")
-    new_mean, var_t, count = _bnp_functions.running_update(moments, h, mean, var, state.config)
+    before = tuple(snapshot([mean, var]))
+    new_mean, var_t, count = _bnp_functions.running_update(moments, h, mean, var, state.config, before)
     if isinstance(count, int):  # a host count (local statistics): a tensor, as the backward traced now reads q²
         count = torch.full((), float(count), dtype=new_mean.dtype, device=new_mean.device)
     return new_mean, var_t, count
