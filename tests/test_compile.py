@@ -131,6 +131,32 @@ def test_compiled_functional_api_on_two_ranks(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_two_compiled_functional_call_sites_keep_their_own_amat_state():
+    """Two compiled ``functional.cbn`` call sites of the same configuration, each with its own
+    buffers, equal eager in float64 (eta = 0.5, 3 steps). Bug caught: the compiled operators
+    found a functional call's state in a cache keyed by its configuration, so the second call
+    site shared the first one's "AMAT initialised" and skipped its own initialisation (its
+    output off by 1.13 at the first step; ``../shared/evidence/compiled-functional-call-sites.py``)."""
+    from distnorm import functional as F
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        f = torch.compile(F.cbn, backend="aot_eager", fullgraph=True) if compiled else F.cbn
+        fresh = lambda: F.CBNBuffers(*[t.double() if t.is_floating_point() else t  # noqa: E731
+                                        for t in F.CBNBuffers.fresh(3)])
+        buffers, w, b = (fresh(), fresh()), torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        g = torch.Generator().manual_seed(1)
+        outs = []
+        for _ in range(3):
+            xs = (torch.randn(8, 3, 4, 4, generator=g, dtype=torch.float64),
+                  torch.randn(8, 3, 4, 4, generator=g, dtype=torch.float64) * 3 + 1)
+            outs += [f(x, w, b, bufs, eta=0.5) for x, bufs in zip(xs, buffers)]
+        return outs + [t for bufs in buffers for t in bufs]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
 def test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes():
     """Bug caught: the layer's forward read the Python float ``lr`` (and the plugin's hook set
     it inside the traced region), so dynamo guarded on its value and recompiled the model at
