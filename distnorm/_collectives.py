@@ -554,7 +554,9 @@ def traced_moments(x: torch.Tensor, group: ProcessGroup | None, layer: str) -> M
         if local is None:
             mean, var = torch.zeros(2, channels, dtype=acc, device=x.device).unbind()
             return Moments(0, mean, var, False)
-        return Moments(local_count, local[0], local[1], local_count > 1)
+        # A branch, not bool(): with a dynamic batch size (automatic dynamic shapes,
+        # dynamic=True) the count is a symbol, and Dynamo guards on a branch's condition
+        return Moments(local_count, local[0], local[1], True if local_count > 1 else False)
     packed = traced_all_reduce_sum(_packed(local, local_count, channels, x.device), group,
                                    slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype))
     return _unpacked(packed, local_count, acc)

@@ -188,7 +188,12 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
     """
     mu_b, var_x, *device = moments
     n: int | Tensor = device[0] if device else host_count
-    valid: bool | Tensor = host_count > 1 if not device else (device[1] if len(device) > 1 else True)
+    # A branch on the host count, which in a compiled step may be a symbol (a dynamic batch
+    # size): Dynamo guards on the condition, where a comparison alone stays a symbolic bool.
+    if device:
+        valid: bool | Tensor = device[1] if len(device) > 1 else True
+    else:
+        valid = True if host_count > 1 else False
     weight, bias, *eta = params
     eps, rho, r_max = hyper
     acc = mu_b.dtype

@@ -131,6 +131,26 @@ def test_compiled_functional_api_on_two_ranks(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_compiled_model_with_dynamic_batch_sizes_equals_eager():
+    """Batch sizes that change (the last batch of an epoch; ``torch.compile``'s automatic
+    dynamic shapes after a second size, or ``dynamic=True``) make a layer's count a symbol:
+    every layer kind and BNP still equals eager across AMAT's phases. Bug caught: the count's
+    comparison left a symbolic bool where the step needs to know the batch is valid
+    ("where() received an invalid combination of arguments - got (SymBool, ...)")."""
+    torch._dynamo.reset()
+    eager = mixed_model()
+    compiled = copy.deepcopy(eager)
+    fn = torch.compile(compiled, fullgraph=True, backend="aot_eager", dynamic=True)
+    for step, lr in enumerate(STEPS):
+        x = torch.randn(4 + 2 * (step % 2), 3, 6, 6, generator=torch.Generator().manual_seed(step)) + 0.5
+        for model in (eager, compiled):
+            distnorm.set_lr(model, lr)
+            model.zero_grad()
+        fn(x).square().mean().backward()
+        eager(x).square().mean().backward()
+        assert_states_close(train_state(eager), train_state(compiled), 1e-5)
+
+
 def test_two_compiled_functional_call_sites_keep_their_own_amat_state():
     """Two compiled ``functional.cbn`` call sites of the same configuration, each with its own
     buffers, equal eager in float64 (eta = 0.5, 3 steps). Bug caught: the compiled operators
