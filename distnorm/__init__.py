@@ -22,7 +22,7 @@ import types as _types
 from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
 
 #: The oldest torch distnorm runs on: ``torch.library.register_fake`` (the fake kernels of
-#: the operators in ``distnorm._functions``, what ``torch.compile`` sees) came with 2.4.
+#: the operators in ``distnorm._functions``) came with 2.4.
 _TORCH_FLOOR = (2, 4)
 
 

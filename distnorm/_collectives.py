@@ -294,7 +294,9 @@ def constant(value: float, channels: int, dtype: torch.dtype, device: torch.devi
     key = (value, channels, dtype, device)
     t = _CONSTANTS.get(key)
     if t is None:
-        t = _CONSTANTS[key] = torch.full((channels,), value, dtype=dtype, device=device)
+        t = torch.full((channels,), value, dtype=dtype, device=device)
+        if not capturing(device):  # a fill captured into a CUDA graph has not run yet: not for eager steps
+            _CONSTANTS[key] = t
     return t
 
 
@@ -451,7 +453,10 @@ _SCRATCH: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 def _scratch(channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (channels, device)
     if key not in _SCRATCH:
-        _SCRATCH[key] = (torch.zeros(channels, device=device), torch.ones(channels, device=device))
+        scratch = (torch.zeros(channels, device=device), torch.ones(channels, device=device))
+        if capturing(device):  # its fills have not run yet: not for eager steps (and never read back)
+            return scratch
+        _SCRATCH[key] = scratch
     return _SCRATCH[key]
 
 
@@ -488,6 +493,8 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     channels = x.shape[1]
     acc = accumulate_dtype(x)
     local_count = x.numel() // channels if channels else 0
+    if _debug.is_debug() and capturing(x.device):
+        _refuse_debug_mode(layer)  # its checks read the statistics on the host
     if group is None:
         if local_count == 0:  # kernel contract: CUDA's statistics kernel rejects N = 0
             mean, var = torch.zeros(2, channels, dtype=acc, device=x.device).unbind()  # two tensors, not one

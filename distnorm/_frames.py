@@ -299,17 +299,13 @@ def _marked_constant(fn: Callable) -> Callable:
 
 
 @_marked_constant
-def _fingerprints(slot: str, channels: int, dtype: torch.dtype) -> tuple[int, int]:
-    """The slot's fingerprint and shape code (:func:`slot_hash`: a hash the compiler cannot
-    trace). Integers below ``2**53``: exact in the float64 header, and constants to Dynamo
-    (a float would become an input of the graph)."""
+def _fingerprint(slot: str) -> int:
+    """The slot's fingerprint (:func:`slot_hash`: a hash the compiler cannot trace). An
+    integer below ``2**53``: exact in the float64 header, and a constant to Dynamo (a float
+    would become an input of the graph). The shape code is plain arithmetic, traced: with a
+    dynamic shape the channel count is a symbol, which a trace-time constant cannot take."""
     _ISSUED.setdefault(slot_hash(slot), "|".join(slot.split("|")[:2]))
-    return slot_hash(slot), _shape_code(channels, dtype)
-
-
-#: :func:`frame_length` read once when the graph is traced (the same on every rank tracing the
-#: same model), never a guard or a mutation inside the graph.
-_traced_frame_length = _marked_constant(lambda payload: frame_length(payload))
+    return slot_hash(slot)
 
 
 #: Per device and group size, the first mismatched frame a traced or captured collective
@@ -347,7 +343,9 @@ def traced_reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, s
     import torch.distributed._functional_collectives as funcol
 
     numel, device = tensor.numel(), tensor.device
-    length, (fingerprint, code) = _traced_frame_length(numel), _fingerprints(slot, *shape)
+    # The process's frame width, read (a graph guards on it: a layer built later that widens the
+    # frames recompiles the graph, on every rank that builds it) and never written while traced.
+    length, fingerprint, code = max(_WIDTH[0], numel), _fingerprint(slot), _shape_code(*shape)
     # Fills of slices, never an indexed assignment: that copies a host scalar, which CUDA-graph
     # capture refuses ("Cannot copy between CPU and CUDA tensors during CUDA graph capture").
     header = torch.zeros(2 * size, dtype=torch.float64, device=device)

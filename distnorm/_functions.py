@@ -491,15 +491,15 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
         # values every rank computes: references, no op and no second computation, so a rank
         # with a monitor runs exactly the arithmetic of the others.
         state.stats_sink.update(mean=mean, var=var, center=plan.center, eps=state.eps)
-    if valid is True:
-        state.amat_ready = True  # the host saw the AMAT buffers initialised
+    if valid is True and not replayed:
+        state.amat_ready = True  # the host saw the AMAT buffers initialised (a capture has not run yet)
     return plan
 
 
 class _ZerosCache:
     """Read-only zero tensors per (shape, dtype, device), for plan fields a path does not use
     (BN's ``beta_coef``; the local BN backward's ``grad_coef``): no op per step, and the
-    shapes the compiled operators declare."""
+    shapes the operators' fake kernels give."""
 
     def __init__(self) -> None:
         self._cache: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
@@ -507,7 +507,10 @@ class _ZerosCache:
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         key = (shape, dtype, device)
         if key not in self._cache:
-            self._cache[key] = torch.zeros(shape, dtype=dtype, device=device)
+            zeros = torch.zeros(shape, dtype=dtype, device=device)
+            if _collectives.capturing(device):  # a fill captured into a CUDA graph has not run yet
+                return zeros
+            self._cache[key] = zeros
         return self._cache[key]
 
 

@@ -25,8 +25,10 @@ decomposes, with
   :func:`distnorm._collectives.check_frames` (:func:`distnorm._frames.traced_reduce`).
 
 Compiled and eager agree within rounding (the compiler contracts and reorders the
-arithmetic); every rank runs the same compiled graph, so the buffers stay bit-identical
-across ranks. Activation checkpointing inside a compiled region is not covered (the
+arithmetic). Ranks whose batches have the same shape run the same compiled graph, so their
+buffers stay bit-identical (checked on 2 gloo ranks); ranks with batches of different sizes
+are specialised apart by the compiler, and nothing has checked yet that Inductor then rounds
+their buffer updates alike. Activation checkpointing inside a compiled region is not covered (the
 recomputation would repeat the buffer updates the eager path stashes).
 """
 

@@ -214,8 +214,8 @@ def _preconditioned_instance(cls: type) -> nn.Module:
 
 def _setstate_preconditioned(module: nn.Module, state: dict[str, Any]) -> None:
     """The layer class's own ``__setstate__``, then register the loaded layer's BNP state
-    under a key of its own (the operators find a layer's state by key under
-    ``torch.compile``)."""
+    under a key of its own (the process's layers, whose names a mismatched collective's
+    error reads)."""
     module._distnorm_original_class.__setstate__(module, state)
     bnp_state = module.__dict__.get("_distnorm_bnp")
     if bnp_state is not None:

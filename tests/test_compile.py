@@ -131,24 +131,32 @@ def test_compiled_functional_api_on_two_ranks(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_a_compiled_model_with_dynamic_batch_sizes_equals_eager():
+@pytest.mark.parametrize("group", ["local", "one-rank group"])
+def test_a_compiled_model_with_dynamic_batch_sizes_equals_eager(group):
     """Batch sizes that change (the last batch of an epoch; ``torch.compile``'s automatic
     dynamic shapes after a second size, or ``dynamic=True``) make a layer's count a symbol:
-    every layer kind and BNP still equals eager across AMAT's phases. Bug caught: the count's
-    comparison left a symbolic bool where the step needs to know the batch is valid
-    ("where() received an invalid combination of arguments - got (SymBool, ...)")."""
-    torch._dynamo.reset()
-    eager = mixed_model()
-    compiled = copy.deepcopy(eager)
-    fn = torch.compile(compiled, fullgraph=True, backend="aot_eager", dynamic=True)
-    for step, lr in enumerate(STEPS):
-        x = torch.randn(4 + 2 * (step % 2), 3, 6, 6, generator=torch.Generator().manual_seed(step)) + 0.5
-        for model in (eager, compiled):
-            distnorm.set_lr(model, lr)
-            model.zero_grad()
-        fn(x).square().mean().backward()
-        eager(x).square().mean().backward()
-        assert_states_close(train_state(eager), train_state(compiled), 1e-5)
+    every layer kind and BNP still equals eager across AMAT's phases, locally and with the
+    collectives traced. Bugs caught: the count's comparison left a symbolic bool where the
+    step needs to know the batch is valid ("where() received an invalid combination of
+    arguments - got (SymBool, ...)"); a symbolic channel count handed to the frames'
+    trace-time constants ("assume_constant_result argument conversion failed")."""
+    dist, previous = _one_rank_group() if group != "local" else (None, False)
+    try:
+        torch._dynamo.reset()
+        eager = mixed_model()
+        compiled = copy.deepcopy(eager)
+        fn = torch.compile(compiled, fullgraph=True, backend="aot_eager", dynamic=True)
+        for step, lr in enumerate(STEPS):
+            x = torch.randn(4 + 2 * (step % 2), 3, 6, 6, generator=torch.Generator().manual_seed(step)) + 0.5
+            for model in (eager, compiled):
+                distnorm.set_lr(model, lr)
+                model.zero_grad()
+            fn(x).square().mean().backward()
+            eager(x).square().mean().backward()
+            assert_states_close(train_state(eager), train_state(compiled), 1e-5)
+    finally:
+        if dist is not None:
+            _end_one_rank_group(dist, previous)
 
 
 def test_two_compiled_functional_call_sites_keep_their_own_amat_state():
@@ -271,8 +279,8 @@ def test_a_compiled_step_is_one_graph_of_aten_ops_and_collectives():
         distnorm._collectives.check_frames()  # the logs of the traced frames: nothing mismatched
     finally:
         _end_one_rank_group(dist, previous)
-    assert counter.frame_count == 1 and len(graphs) == 2, (counter.frame_count, len(graphs))  # forward + backward, once
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    # forward + backward, compiled once (fullgraph=True: a graph break would have raised)
+    assert counter.frame_count == 1 and len(graphs) == 2, (counter.frame_count, len(graphs))
     targets = {phase: [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
                for phase, gm in zip(("forward", "backward"), graphs)}
     for phase, ops in targets.items():
@@ -417,34 +425,39 @@ def test_a_captured_step_dispatches_the_same_ops_whatever_the_values(monkeypatch
 
 
 def test_what_cannot_be_captured_is_refused_naming_what_works(monkeypatch):
-    """Capturing a gloo collective, a group's first step (its kernel vote is read on the
-    host) or a step in debug mode cannot work: each raises one error that says why and what
-    to do, instead of a CUDA error from inside the capture or a silently wrong replay."""
+    """Capturing a group's first step (its kernel vote is read on the host), a gloo
+    collective, or a step in debug mode cannot work: each raises one error that says why and
+    what to do, from the layer's own call, instead of a CUDA error from inside the capture or
+    a silently wrong replay."""
     from distnorm import _collectives
 
+    capture = lambda on: monkeypatch.setattr(_collectives, "capturing", lambda device: on)  # noqa: E731
     dist, previous = _one_rank_group()
     try:
         layer = distnorm.CBN(8)
         distnorm.set_lr(layer, 0.05)
-        monkeypatch.setattr(_collectives, "capturing", lambda device: True)
-        with pytest.raises(RuntimeError, match=r"(?s)vote on the kernels.*reads the device on the host.*Run one "
-                                               r"training step before capturing"):
-            _collectives.refuse_capture(torch.device("cpu"), "the group's first synchronized step, whose all-reduce "
-                                                             "carries the ranks' vote on the kernels,")
-        monkeypatch.setattr(_collectives, "capturing", lambda device: False)
+        capture(True)
+        with pytest.raises(RuntimeError, match=r"(?s)first synchronized step, whose all-reduce carries the ranks' "
+                                               r"vote.*reads the device on the host.*Run one training step before "
+                                               r"capturing"):
+            layer(torch.randn(6, 8))
+        capture(False)
         layer(torch.randn(6, 8)).sum().backward()  # the first step, eager: the group agrees
-        monkeypatch.setattr(_collectives, "capturing", lambda device: True)
+        capture(True)
         with pytest.raises(RuntimeError, match=r"(?s)being captured into a CUDA graph.*runs on gloo.*Use the nccl "
                                                r"backend"):
             layer(torch.randn(6, 8))
-        previous_debug = distnorm.debug(True)
-        try:
-            with pytest.raises(RuntimeError, match=r"(?s)without CUDA-graph capture"):
-                _collectives._refuse_debug_mode("CBN(8)")
-        finally:
-            distnorm.debug(previous_debug)
     finally:
         _end_one_rank_group(dist, previous)
+    local = distnorm.CBN(8, sync=False)
+    distnorm.set_lr(local, 0.05)
+    local(torch.randn(6, 8))  # warmed up
+    previous_debug = distnorm.debug(True)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)distnorm.debug\(\) reads.*without CUDA-graph capture"):
+            local(torch.randn(6, 8))
+    finally:
+        distnorm.debug(previous_debug)
 
 
 def _cuda_graph_training(one_rank_group: bool) -> None:
