@@ -480,9 +480,12 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
         host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
     # Captured into a CUDA graph, the step is replayed at other learning rates and, maybe, before
     # the AMAT buffers' first update: the history path with eta read on the device (for eta = 0
-    # it gives the batch statistics), and the initialisation checked on the device.
+    # it gives the batch statistics), and the initialisation checked on the device. Triton's
+    # kernel takes the history path as a compile-time flag, so an AMAT layer always gives it eta:
+    # the kernel a capture records is then one the eager steps before it compiled and ran.
     replayed = _collectives.capturing(x.device)
-    params = [weight, bias, eta] if state.history or (replayed and state.amat) else [weight, bias]
+    history = state.history or (state.amat and (replayed or plan_kernel == "triton"))
+    params = [weight, bias, eta] if history else [weight, bias]
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
     plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
                                                  state.amat_ready and not replayed, plan_kernel))
