@@ -41,6 +41,7 @@ from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from distnorm._release import released
 from distnorm.errors import CollectiveMismatchError
@@ -340,8 +341,6 @@ def traced_reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, s
     and the first mismatched header is written to the device's frame log (:func:`_log`);
     :func:`check_pending` reads the logs and raises :class:`CollectiveMismatchError` from
     them, naming every rank's layer, as the eager path does."""
-    import torch.distributed._functional_collectives as funcol
-
     numel, device = tensor.numel(), tensor.device
     # The process's frame width, read (a graph guards on it: a layer built later that widens the
     # frames recompiles the graph, on every rank that builds it) and never written while traced.

@@ -171,9 +171,8 @@ class NormState:
         rho, r_max: CBN's (``rho = kappa``, ``r_max = 1`` for POP-Norm); ``None`` for BN.
         process_group, sync: what to synchronize over.
         eval_stats: CBN's statistics at evaluation (``"auto"``, ``"amat"``, ``"running"``).
-        amat: CBN's AMAT is on: history may blend in (a compiled step always takes that path,
-            :mod:`distnorm._traced`); for a functional call, whether this call's ``eta`` may be > 0.
-        history: AMAT blends in history at this step (``eta > 0``); known from ``set_lr``.
+        amat: CBN's AMAT is on: every training step blends in history by ``eta``, read on the
+            device; for a functional call, whether this call's ``eta`` may be > 0.
         amat_ready: the AMAT buffers are initialised on every rank (the host saw it happen).
         stats_sink: dict the theory monitors read the last batch statistics from, or None
             (references to the fused operator's inputs and outputs: no op of its own).
@@ -190,7 +189,6 @@ class NormState:
     sync: bool = True
     eval_stats: str | None = None
     amat: bool = False
-    history: bool = False
     amat_ready: bool = False
     stats_sink: dict | None = None
     stash: Stash | None = field(default=None, repr=False)  # made at the first stash (a layer makes its own)
@@ -469,7 +467,9 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history): the
     global moments (one all-reduce), then one operator, ``distnorm::cbn_plan``, for the
     per-channel algebra and the buffer updates (:func:`distnorm._fused.cbn_plan_composite`
-    gives the maths). ``state.history`` says whether ``eta`` is > 0.
+    gives the maths). A layer with AMAT (``state.amat``) always blends history by ``eta``,
+    read on the device (for ``eta = 0`` that gives the batch statistics): in eager mode, in
+    a captured CUDA graph replayed at other learning rates, and in compiled code alike.
     """
     group = state.group()
     count, mean, var, valid = _fused.synced_moments(x, group, state.name)  # at the group's first step: its vote
@@ -478,14 +478,10 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
         host_count, moments = count, [mean, var]
     else:
         host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
-    # Captured into a CUDA graph, the step is replayed at other learning rates and, maybe, before
-    # the AMAT buffers' first update: the history path with eta read on the device (for eta = 0
-    # it gives the batch statistics), and the initialisation checked on the device. Triton's
-    # kernel takes the history path as a compile-time flag, so an AMAT layer always gives it eta:
-    # the kernel a capture records is then one the eager steps before it compiled and ran.
+    # Captured into a CUDA graph, the step may be replayed before the AMAT buffers' first
+    # update: their initialisation is then checked on the device (the same values either way).
     replayed = _collectives.capturing(x.device)
-    history = state.history or (state.amat and (replayed or plan_kernel == "triton"))
-    params = [weight, bias, eta] if history else [weight, bias]
+    params = [weight, bias, eta] if state.amat else [weight, bias]
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
     plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
                                                  state.amat_ready and not replayed, plan_kernel))

@@ -1,7 +1,7 @@
 """The training step of the synchronized layers as ``torch.compile`` sees it.
 
 Eager mode runs a layer step through :mod:`distnorm._functions`: host decisions made per call
-(AMAT's history branch and initialisation, the group's vote on the kernels, the checkpoint
+(AMAT's initialisation known on the host, the group's vote on the kernels, the checkpoint
 stash, the frames' checks on the host), the per-channel algebra as one operator each
 (``distnorm::cbn_plan``, ``distnorm::backward_sums``: Triton, C or ATen, as the group agreed).
 Under ``torch.compile`` none of that helps: every op is a node of the graph that Inductor
@@ -16,8 +16,8 @@ decomposes, with
 * ONE functional all-reduce per phase (:func:`distnorm._collectives.traced_moments`,
   :func:`distnorm._collectives.traced_all_reduce_sum`): a collective node that Inductor keeps
   as one and that CUDA graphs capture on NCCL;
-* every decision either fixed by the layer's configuration (a layer with AMAT always takes
-  the history path, ``eta`` read on the device: for ``eta = 0`` it gives the batch
+* every decision either fixed by the layer's configuration (a layer with AMAT blends history
+  by ``eta`` read on the device, as in eager mode: for ``eta = 0`` it gives the batch
   statistics) or made on the device (the AMAT buffers' initialisation, an empty global
   batch), so a compiled step never recompiles as the learning rate changes, ``eta`` crosses
   0 or the AMAT buffers initialise, and a captured CUDA graph replays the right branch;
@@ -76,10 +76,10 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     """CBN's / POP-Norm's statistics step (SPEC §1): the plan's fields, the AMAT and running
     buffers updated in place (:func:`distnorm._fused.cbn_plan_composite`, traced).
 
-    A layer with AMAT (``state.amat``) always blends history with ``eta`` read on the device,
-    and always checks the AMAT buffers' initialisation on the device: the host's knowledge of
-    either (``state.history``, ``state.amat_ready``) changes during training, and a graph
-    reading it would recompile, or a captured one replay a stale branch.
+    A layer with AMAT (``state.amat``) blends history with ``eta`` read on the device, as in
+    eager mode, and always checks the AMAT buffers' initialisation on the device: the host's
+    knowledge of it (``state.amat_ready``) changes during training, and a graph reading it
+    would recompile.
 
     The AMAT buffers are read through ``snapshot`` (``distnorm::snapshot``: copies, made by an
     operator the compiler keeps). Why: AOTAutograd applies a graph's in-place updates of its

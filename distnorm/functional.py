@@ -201,11 +201,10 @@ def cbn(  # the layer's tensors, then the call's configuration as keywords
         (torch.Size([8, 3]), 1)
     """
     # A tensor eta may be 0 or not, which the host cannot know without reading it, so it
-    # takes the history path, which for eta = 0 computes the no-history values.
-    history = True if isinstance(eta, torch.Tensor) else float(eta) > 0
+    # takes AMAT's path, which for eta = 0 computes the batch statistics.
+    amat = True if isinstance(eta, torch.Tensor) else float(eta) > 0
     state = NormState("cbn", layer, spec.eps, spec.momentum, rho=float(spec.rho), r_max=float(spec.r_max),
-                      process_group=process_group, sync=spec.sync, eval_stats=spec.resolved_eval_stats,
-                      amat=history, history=history)
+                      process_group=process_group, sync=spec.sync, eval_stats=spec.resolved_eval_stats, amat=amat)
     return normalize(x, weight, bias, buffers, state, training=training, eta=eta)
 
 

@@ -159,8 +159,8 @@ class _CompleteNorm(_DistNormLayer):
 
         ``lr`` may be a one-element tensor (capturable / fused optimizers keep it on the
         device): ``eta`` is then computed on the device, never read on the host, and the
-        layer takes AMAT's history path whatever its value (for ``eta = 0`` that path gives
-        the batch statistics, as the other does). Its value is checked only in debug mode
+        layer reads it on the device as it reads every ``eta`` (for ``eta = 0`` AMAT's blend
+        gives the batch statistics). Its value is checked only in debug mode
         (:func:`distnorm.debug`), which reads it.
         """
         lr = _checked_lr(lr, self._layer_name())
@@ -171,13 +171,11 @@ class _CompleteNorm(_DistNormLayer):
             self._set_eta(self.eta)
 
     def _set_eta(self, eta: float | torch.Tensor) -> None:
-        """``amat_eta`` and the host's knowledge of it (a tensor: unknown, so history)."""
+        """``amat_eta``, which every training step reads on the device."""
         if isinstance(eta, torch.Tensor):
             self.amat_eta.copy_(eta)
-            self._state.history = True
         else:
             self.amat_eta.fill_(eta)
-            self._state.history = eta > 0.0
 
     @property
     def eta(self) -> float:
@@ -191,9 +189,8 @@ class _CompleteNorm(_DistNormLayer):
                               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        # Host-side facts follow the loaded buffers (one read at load time, not per step).
+        # The host-side fact follows the loaded buffer (one read at load time, not per step).
         self._state.amat_ready = bool(self.amat_initialized)
-        self._state.history = self.amat and float(self.amat_eta) > 0.0
 
     def _statistics(self) -> CBNBuffers:
         """The six statistics buffers, as one structure."""

@@ -355,14 +355,6 @@ MUTANTS: list[Mutant] = [
         ("tests/test_compile.py::test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes",),
     ),
     Mutant(
-        "compiled-history-from-the-host",
-        "a compiled model trains across AMAT's phases in one graph (no recompilation)",
-        "distnorm/_traced.py",
-        "    params = [weight.detach(), bias.detach()] + ([eta] if state.amat else [])\n",
-        "    params = [weight.detach(), bias.detach()] + ([eta] if state.history else [])\n",
-        ("tests/test_compile.py::test_a_compiled_step_is_one_graph_of_aten_ops_and_collectives",),
-    ),
-    Mutant(
         "compiled-reads-updated-buffers",
         "compiled CBN equals eager (the backward never reads buffers the step updated)",
         "distnorm/_traced.py",
@@ -379,8 +371,8 @@ MUTANTS: list[Mutant] = [
         ("tests/test_step_cost.py::test_a_tensor_learning_rate_is_never_read_on_the_host",),
     ),
     Mutant(
-        "captured-history-from-the-host",
-        "a captured CUDA graph replays the right branch at every step (history path, device-side initialisation)",
+        "captured-init-from-the-host",
+        "a captured CUDA graph replays the right branch at every step (the AMAT initialisation checked on the device)",
         "distnorm/_functions.py",
         "    replayed = _collectives.capturing(x.device)\n",
         "    replayed = False\n",

@@ -261,7 +261,7 @@ def test_a_compiled_step_is_one_graph_of_aten_ops_and_collectives():
     recompilation, no graph break. And nothing in it is unsafe for CUDA graphs by Inductor's
     own check. Bugs caught: the statistics step and the backward as opaque custom operators
     (Inductor could not fuse them, and they were tagged ``cudagraph_unsafe``); a host read
-    (``state.history``, ``state.amat_ready``) that guards and recompiles."""
+    (``state.amat_ready``) that guards and recompiles."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
@@ -399,7 +399,7 @@ def test_a_captured_step_dispatches_the_same_ops_whatever_the_values(monkeypatch
     (``_collectives.capturing`` answers True, as ``torch.cuda.is_current_stream_capturing``
     would), and every step of AMAT's phases dispatches the same ops, with outputs, gradients
     and buffers equal to the eager steps' (the history path at ``eta = 0`` gives the batch
-    statistics). Bug caught: the host's ``history`` / ``amat_ready`` choosing the kernels or
+    statistics). Bugs caught: the host's ``history`` / ``amat_ready`` choosing the kernels or
     their arguments, so a graph captured at one step replays the wrong branch at another."""
     from distnorm import _collectives
 
