@@ -83,7 +83,7 @@ from step import build  # noqa: I001
 
 import distnorm
 from distnorm import models
-from distnorm._fused import triton_state
+from distnorm._kernel_choice import triton_state
 
 MODELS = ("resnet50", "resnet18", "efficientnet_b0")
 #: Every variant, and the ones run when none are named.

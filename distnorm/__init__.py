@@ -16,47 +16,11 @@ are imported lazily too.
 
 import importlib as _importlib
 import importlib.util as _importlib_util
-import re as _re
 import sys as _sys
 import types as _types
 from typing import TYPE_CHECKING as _TYPE_CHECKING, Any as _Any
 
-#: The oldest torch distnorm runs on: ``torch.library.register_fake`` (the fake kernels of
-#: the operators in ``distnorm._functions``) came with 2.4.
-_TORCH_FLOOR = (2, 4)
-
-
-def _require_torch(version: str, floor: tuple[int, int] = _TORCH_FLOOR) -> None:
-    """Refuse a torch older than ``floor``, with the ``pip install`` that fixes it.
-
-    ``version`` is ``torch.__version__``: local and pre-release tags are ignored, so a
-    2.4 nightly passes; a string without ``major.minor`` is let through (nothing to compare).
-
-    >>> _require_torch("2.11.0+cu126")
-    >>> _require_torch("2.3.1")
-    Traceback (most recent call last):
-    ImportError: distnorm needs torch>=2.4 (found 2.3.1): pip install 'torch>=2.4'
-    """
-    match = _re.match(r"(\d+)\.(\d+)", str(version))
-    if match and (int(match[1]), int(match[2])) < floor:
-        need = ".".join(map(str, floor))
-        raise ImportError(f"distnorm needs torch>={need} (found {version}): pip install 'torch>={need}'")
-
-
-def _torch_version() -> str:
-    """The installed torch's version, without importing it (its distribution metadata; a torch
-    already imported answers for itself). ``""`` where neither says: nothing to compare, and
-    :mod:`distnorm._functions` checks the torch it imports, before any operator is declared."""
-    torch = _sys.modules.get("torch")
-    if torch is not None:
-        return str(torch.__version__)
-    from importlib import metadata
-
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:  # not installed, or not as a distribution: the import says
-        return ""
-
+from distnorm._torch_floor import require_torch as _require_torch, torch_version as _torch_version
 
 _require_torch(_torch_version())
 
@@ -115,7 +79,7 @@ if _sys.modules.get("torch") is not None:
     # torch is loaded anyway: register distnorm's operators (torch.ops.distnorm.*) now, as a
     # program compiled or exported with them, loaded after `import distnorm`, expects. (Where
     # distnorm is imported first, the first use of a layer or of distnorm.functional does it.)
-    _importlib.import_module("distnorm._functions")
+    _importlib.import_module("distnorm._ops")
 
 
 if _TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly

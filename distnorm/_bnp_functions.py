@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from distnorm import _collectives, _fused
+from distnorm import _collectives, _kernel_choice, _moments, _ops
 from distnorm._collectives import ProcessGroup
-from distnorm._fused import to_dtype
+from distnorm._composite import to_dtype
+from distnorm._cpu_kernels import check_precondition_arguments
 from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm.specs import BNPSpec
 
-__all__ = ["BNPGradientFunction", "BNPLayerState", "bnp_precondition", "bnp_q2", "check_precondition_arguments",
+__all__ = ["BNPGradientFunction", "BNPLayerState", "bnp_precondition", "bnp_q2",
            "layer_statistics", "running_update"]
 
 
@@ -100,7 +101,7 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
     """
     if replay and in_backward() and len(state.stash):
         return state.stash.pop(h.shape, f"BNP '{state.name}'")
-    moments = _fused.synced_moments(h, state.group(), f"BNP '{state.name}'")  # at the group's first step: its vote
+    moments = _kernel_choice.synced_moments(h, state.group(), f"BNP '{state.name}'")  # at the group's first step: its vote
     result = running_update(moments, h, mean_buf, var_buf, state.config)
     if replay:
         stashed = StashedPlan(result, h.shape)
@@ -109,7 +110,7 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
     return result
 
 
-def running_update(moments: _collectives.Moments, h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Tensor,
+def running_update(moments: _moments.Moments, h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Tensor,
                    cfg: BNPSpec, before: tuple[torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """The arithmetic of :func:`layer_statistics` from the global ``moments`` of ``h``
@@ -158,7 +159,7 @@ class BNPGradientFunction(torch.autograd.Function):
 
     ``cpu_kernel``: compute the map with the CPU kernel ``distnorm::bnp_precondition`` (one
     pass over the weight gradient; :mod:`distnorm._cpu_kernels`) for a dense float32 / float64
-    gradient — the layer's group's agreement (:func:`distnorm._fused.cpu_kernel_decision`),
+    gradient — the layer's group's agreement (:func:`distnorm._kernel_choice.cpu_kernel_decision`),
     passed by eager forwards only: a compiled backward fuses :func:`bnp_precondition`'s calls
     itself.
     """
@@ -186,9 +187,9 @@ class BNPGradientFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1] and grad_bias is None:
             grad_bias = torch.zeros(grad_weight.shape[0], dtype=grad_weight.dtype, device=grad_weight.device)
         if ctx.cpu_kernel and grad_weight.dtype in (torch.float32, torch.float64) and grad_weight.is_contiguous():
-            # One pass instead of five (distnorm._cpu_kernels; the operator is declared by
-            # distnorm._functions, which imports this module). A CPU q2 tensor is read without a sync.
-            new_weight, new_bias = torch.ops.distnorm.bnp_precondition(grad_weight, grad_bias, mean, var_t, float(q2),
+            # One pass instead of five (distnorm._cpu_kernels, through its operator in
+            # distnorm._ops). A CPU q2 tensor is read without a sync.
+            new_weight, new_bias = _ops.bnp_precondition(grad_weight, grad_bias, mean, var_t, float(q2),
                                                                        ctx.groups)
             return new_weight, (new_bias if grad_bias is not None else None), None, None, None, None, None
         new_weight, new_bias = bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=ctx.groups)
@@ -250,21 +251,6 @@ def bnp_precondition(
     per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
     new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)
     return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)
-
-
-def check_precondition_arguments(grad_weight: torch.Tensor, grad_bias: torch.Tensor | None, mean: torch.Tensor,
-                                 var_t: torch.Tensor, groups: int) -> None:
-    """Raise ``ValueError`` unless the arguments of BNP's transform fit together (shapes as in
-    :func:`bnp_precondition`): the check of its ATen calls and of the C kernel's operator
-    ``distnorm::bnp_precondition``, which reads raw pointers."""
-    in_channels = mean.numel()
-    if (grad_weight.dim() < 2 or groups < 1 or grad_weight.shape[0] % groups
-            or in_channels != groups * grad_weight.shape[1] or var_t.numel() != in_channels
-            or (grad_bias is not None and grad_bias.numel() != grad_weight.shape[0])):
-        raise ValueError(
-            f"bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)}, bias gradient of "
-            f"{None if grad_bias is None else grad_bias.numel()} values and {in_channels} / {var_t.numel()} "
-            f"input-channel moments do not match in {groups} group(s)")
 
 
 def bnp_q2(count: int | torch.Tensor, fan_in: int, in_spatial: tuple[int, ...],

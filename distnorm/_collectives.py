@@ -4,17 +4,17 @@ Layers never call ``torch.distributed`` themselves: they ask here for the group 
 synchronize over (``None`` means "run locally") and for the packed reductions. Keeping the
 collectives in one place makes the per-step communication easy to audit:
 
-* forward of a synchronized layer: :func:`global_moments` — ONE all-reduce of a ``(3, C)``
-  float64 payload (per-channel sum, sum of squares and sample count); at a group's first
-  CBN / BN step the count row also carries the ranks' vote on the fused operators' kernels
-  (:mod:`distnorm._fused`), in the same values;
+* forward of a synchronized layer: :func:`all_reduce_sum` of the ``(3, C)`` float64
+  statistics payload (:func:`distnorm._moments.global_moments`); at a group's first
+  CBN / BN step the count row also carries the ranks' vote on the kernels
+  (:mod:`distnorm._kernel_choice`), in the same values;
 * backward: :func:`all_reduce_sum` — ONE all-reduce of the ``(2, C)`` per-channel gradient
   sums;
 * each of these travels in a frame (:mod:`distnorm._frames`): one size for every distnorm
   all-reduce of the process, with every rank's fingerprint of its layer and phase, so ranks
   that run different layers raise :class:`~distnorm.errors.CollectiveMismatchError`
   instead of mixing statistics, aborting or hanging;
-* BNP (``distnorm.bnp``) reuses :func:`global_moments` on each layer's input;
+* BNP (``distnorm.bnp``) reuses :func:`distnorm._moments.global_moments` on each layer's input;
 * start-up and consistency checks: :func:`all_agree` (one fixed-size MAX all-reduce) and,
   only once something disagrees, :func:`gather_tensors` / :func:`gather_texts` to say who.
 
@@ -29,70 +29,37 @@ tensor on the host (no ``.item()``) except in debug mode and on error paths.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from distnorm import _debug, _frames
+from distnorm import _capture, _debug, _frames
+from distnorm._frames import stable_hash
 from distnorm._release import released
-from distnorm.errors import (
-    CollectiveFailedError,
-    CollectiveMismatchError,
-    InconsistentStateError,
-    NonFiniteStatisticsError,
-)
+from distnorm.errors import CollectiveFailedError, CollectiveMismatchError, InconsistentStateError
 
 __all__ = [
-    "Moments",
-    "accumulate_dtype",
     "all_agree",
     "assert_same_across_ranks",
     "all_reduce_sum",
     "broadcast_from_first",
-    "capturing",
     "check_collective_device",
     "check_frames",
     "collective_device",
-    "constant",
     "gather_tensors",
     "gather_texts",
-    "global_moments",
     "group_device",
     "group_ranks",
     "group_size",
-    "local_moments",
     "norm_group",
-    "refuse_capture",
-    "stable_hash",
+    "refuse_debug_mode",
     "sync_group",
     "traced_all_reduce_sum",
-    "traced_moments",
 ]
 
 ProcessGroup = dist.ProcessGroup if dist.is_available() else object
-
-
-class Moments(NamedTuple):
-    """Per-channel statistics of a (possibly distributed) batch, in the accumulation dtype.
-
-    Attributes:
-        count: values per channel over every rank — a Python ``int`` when it is known on
-            the host (local statistics), else a ``(C,)`` tensor (the same count repeated).
-        mean: per-channel mean.
-        var: per-channel biased variance ``mean((x - mean)**2)``.
-        valid: whether the global batch has more than one value per channel — ``True``
-            when the host knows it (this rank alone has more than one), else a ``(C,)``
-            bool tensor computed from the all-reduced count (identical on every rank).
-    """
-
-    count: int | torch.Tensor
-    mean: torch.Tensor
-    var: torch.Tensor
-    valid: bool | torch.Tensor
 
 
 def is_distributed() -> bool:
@@ -270,36 +237,6 @@ def norm_group(process_group: ProcessGroup | None = None) -> ProcessGroup | None
     return group
 
 
-def accumulate_dtype(x: torch.Tensor) -> torch.dtype:
-    """dtype in which per-channel statistics are accumulated: float64 for float64, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def stable_hash(text: str) -> int:
-    """A 63-bit hash of ``text`` that is the same in every process (unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-_CONSTANTS: dict[tuple[float, int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def constant(value: float, channels: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A cached, read-only ``(channels,)`` tensor filled with ``value`` (no op per step).
-
-    Under ``torch.compile`` a fill in the graph instead, which Inductor folds into the kernels
-    that read it: a cache entry made while tracing would change the dictionary the graph's
-    guards read, and recompile the graph at its next call."""
-    if torch.compiler.is_compiling():
-        return torch.full((channels,), value, dtype=dtype, device=device)
-    key = (value, channels, dtype, device)
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = torch.full((channels,), value, dtype=dtype, device=device)
-        if not capturing(device):  # a fill captured into a CUDA graph has not run yet: not for eager steps
-            _CONSTANTS[key] = t
-    return t
-
-
 # ----------------------------------------------------------------------- agreement
 def all_agree(values: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Element-wise: does every rank hold the same int64 ``values``? One MAX all-reduce of
@@ -347,42 +284,6 @@ def gather_texts(text: str, group: ProcessGroup, limit: int = 4096) -> list[str]
 
 
 # ------------------------------------------------------------------ reductions
-def _check_slot(group: ProcessGroup, slot: str, device: torch.device) -> None:
-    """Debug mode: verify that every rank is entering the same collective slot.
-
-    One fixed-size MAX all-reduce of a fingerprint (:func:`all_agree`), so this check itself
-    cannot deadlock on mismatched shapes; the slots are gathered only on a mismatch.
-    """
-    h = torch.tensor([stable_hash(slot)], dtype=torch.int64, device=device)
-    if bool(all_agree(h, group).all()):
-        return
-    listing = "\n".join(f"  rank {r}: {s}" for r, s in zip(group_ranks(group), gather_texts(slot, group)))
-    raise CollectiveMismatchError(
-        "ranks entered the same distnorm collective from different places "
-        "(layer | phase | channels | dtype):\n"
-        f"{listing}\n"
-        "Every rank must run the same model on inputs of the same dtype and channel count."
-    )
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether work on ``device`` is being captured into a CUDA graph (``torch.cuda.graph``,
-    ``torch.cuda.make_graphed_callables``, and ``torch.compile(mode="reduce-overhead")``'s
-    recording): the layers then take the decisions a replay can keep (:mod:`distnorm._functions`,
-    :func:`all_reduce_sum`). One host call on a CUDA device, none elsewhere."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def refuse_capture(device: torch.device, what: str) -> None:
-    """Raise while ``device``'s work is being captured: ``what`` (a step that reads the device
-    on the host) cannot be recorded into a CUDA graph, and a step before capture does it."""
-    if capturing(device):
-        raise RuntimeError(
-            f"distnorm: {what} reads the device on the host, which a CUDA graph cannot capture. Run one training "
-            "step before capturing (the warm-up torch.cuda.graph's documentation prescribes, on a side stream): "
-            "it does this once, and every captured step after it replays without it.")
-
-
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: str = "",
                    shape: tuple[int, torch.dtype] = (0, torch.float64)) -> torch.Tensor:
     """Sum ``tensor`` in place over ``group`` (no-op for ``None``) and return it.
@@ -397,11 +298,9 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: st
         return tensor
     # Before any collective, the debug fingerprint included: a tensor off the NCCL group's device.
     check_collective_device(tensor, group, slot)
-    if capturing(tensor.device):  # the frame as compiled code runs it: compared on the device, logged
+    if _capture.capturing(tensor.device):  # the frame as compiled code runs it: compared on the device, logged
         _refuse_capture_of(group, slot)
         return tensor.copy_(traced_all_reduce_sum(tensor, group, slot=slot, shape=shape))
-    if _debug.is_debug():
-        _check_slot(group, slot, tensor.device)
     try:
         _frames.reduce(tensor, group, slot, shape, dist.get_rank(group), group_size(group))
     except CollectiveMismatchError:
@@ -419,154 +318,6 @@ def check_frames() -> None:
     """Compare the fingerprints of every layer collective not compared yet (a GPU's, waiting
     for them; :func:`distnorm._frames.check_pending`)."""
     _frames.check_pending()
-
-
-def local_moments(x: torch.Tensor, cpu_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and biased variance of a non-empty ``(N, C, *)`` tensor, in the
-    accumulation dtype.
-
-    ATen's batch-norm statistics kernel (any memory format, CPU and CUDA); with
-    ``cpu_kernel`` (a CPU tensor; :func:`distnorm._fused.cpu_kernel_decision`) its twin
-    ``distnorm::batch_norm_update_stats`` (same schema and arithmetic, faster for
-    contiguous float32: :mod:`distnorm._cpu_kernels`).
-    Kernel contract: the CUDA kernel returns accumulation-dtype statistics for any
-    input; the CPU kernel does so for fp16/bf16 inputs only when given float32 "running"
-    buffers, which select its mixed-precision path. Both devices therefore get float32
-    scratch buffers (momentum 0: their values are never read back) for fp16/bf16 inputs,
-    and none for float32/float64, where both return the input dtype already.
-    """
-    acc = accumulate_dtype(x)
-    on_cpu = cpu_kernel and x.device.type == "cpu"
-    stats = torch.ops.distnorm.batch_norm_update_stats if on_cpu else torch.ops.aten.batch_norm_update_stats
-    if x.dtype == acc:
-        mean, var = stats(x, None, None, 0.0)
-    else:
-        channels = x.shape[1]
-        scratch = _scratch(channels, x.device)
-        mean, var = stats(x, scratch[0], scratch[1], 0.0)
-    return mean, var
-
-
-_SCRATCH: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _scratch(channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (channels, device)
-    if key not in _SCRATCH:
-        scratch = (torch.zeros(channels, device=device), torch.ones(channels, device=device))
-        if capturing(device):  # its fills have not run yet: not for eager steps (and never read back)
-            return scratch
-        _SCRATCH[key] = scratch
-    return _SCRATCH[key]
-
-
-def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = "",
-                   training: bool = True, piggyback: torch.Tensor | None = None, cpu_kernel: bool = False) -> Moments:
-    """Per-channel count, mean and biased variance of ``x`` over every rank of ``group``.
-
-    Local (``group is None``): the Welford statistics of :func:`local_moments`, count known
-    on the host. Synchronized: ONE all-reduce of ``n_r * [m_r, v_r + m_r**2, 1]`` in
-    float64, ``m_r``, ``v_r`` being this rank's Welford statistics, then
-    ``var = sum(n_r (v_r + m_r^2)) / n - mean^2``. In float64 this cancellation costs about
-    ``1e-16 * (mean/std)^2`` relative — nothing next to the float32 rounding of ``x`` — and
-    the count rides along as a third row (repeated per channel, so every later step is
-    element-wise). Unequal batch sizes are weighted exactly; an empty rank contributes
-    zeros and still joins the collective.
-
-    The synchronized result is identical on every rank (computed from the same reduced
-    tensor), which is what keeps every buffer derived from it bit-identical without
-    broadcasts. Ranks that hold more than one value per channel know the global batch is
-    valid without reading the count; the others get the mask as a tensor.
-
-    ``piggyback``: a float64 ``(k,)`` tensor of small integers on ``x``'s device, ``k < C``,
-    summed over the group in the same all-reduce and overwritten with the sums — how a group
-    agrees once on something without a collective of its own, or a byte more
-    (:func:`distnorm._fused.triton_vote`). It rides on the count row, whose ``C`` entries are
-    copies of one integer: entry ``i`` is added to channel ``i``'s count and taken out again
-    after the reduction from channel ``k``'s, exactly (integers below ``2**53`` in float64).
-    Every rank must pass one at the same call, or none.
-
-    ``cpu_kernel``: the local moments of a CPU tensor come from distnorm's C kernel
-    (:func:`local_moments`); every rank of ``group`` must pass the same value, which
-    :func:`distnorm._fused.cpu_kernel_decision` gives.
-    """
-    channels = x.shape[1]
-    acc = accumulate_dtype(x)
-    local_count = x.numel() // channels if channels else 0
-    if _debug.is_debug() and capturing(x.device):
-        _refuse_debug_mode(layer)  # its checks read the statistics on the host
-    if group is None:
-        if local_count == 0:  # kernel contract: CUDA's statistics kernel rejects N = 0
-            mean, var = torch.zeros(2, channels, dtype=acc, device=x.device).unbind()  # two tensors, not one
-            return Moments(0, mean, var, False)
-        mean, var = local_moments(x, cpu_kernel)
-        if _debug.is_debug():
-            _check_statistics(torch.stack([mean.double(), var.double()]), layer, training, float(local_count))
-        return Moments(local_count, mean, var, local_count > 1)
-
-    packed = _packed(local_moments(x, cpu_kernel) if local_count > 0 else None, local_count, channels, x.device)
-    if piggyback is not None:
-        k = piggyback.numel()
-        packed[2, :k] += piggyback
-    all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype))
-    if piggyback is not None:
-        torch.sub(packed[2, :k], packed[2, k], out=piggyback)
-        packed[2, :k] = packed[2, k]
-    if _debug.is_debug():
-        _check_statistics(packed[:2], layer, training, float(packed[2, 0]) if channels else 0.0)
-    return _unpacked(packed, local_count, acc)
-
-
-def _packed(moments: tuple[torch.Tensor, torch.Tensor] | None, local_count: int, channels: int,
-            device: torch.device) -> torch.Tensor:
-    """The statistics all-reduce's payload ``n_r * [m_r, v_r + m_r**2, 1]`` (float64, ``(3,
-    C)``) from this rank's ``(mean, var)``, or zeros for a rank without samples."""
-    if moments is None:
-        return torch.zeros(3, channels, dtype=torch.float64, device=device)
-    mean, var = moments
-    m64 = mean.double()
-    packed = torch.stack([m64, torch.addcmul(var, m64, m64), constant(1.0, channels, torch.float64, device)])
-    return packed.mul_(local_count)
-
-
-def _unpacked(packed: torch.Tensor, local_count: int, acc: torch.dtype) -> Moments:
-    """The global :class:`Moments` from the all-reduced payload of :func:`_packed`."""
-    count = packed[2]
-    # Only a rank with at most one value of its own can see an all-empty global batch:
-    # elsewhere the count is >= 2 and needs no guard against 0 / 0.
-    ratios = packed / (count if local_count > 1 else count.clamp_min(1.0))  # [mean, E[x^2], 1]
-    mean, ex2, _ = ratios.unbind()
-    var = torch.addcmul(ex2, mean, mean, value=-1.0).clamp_min_(0.0)
-    valid: bool | torch.Tensor = True if local_count > 1 else count > 1
-    return Moments(count.to(acc), mean.to(acc), var.to(acc), valid)
-
-
-def traced_moments(x: torch.Tensor, group: ProcessGroup | None, layer: str) -> Moments:
-    """:func:`global_moments` as ``torch.compile`` traces it and a CUDA graph replays it: the
-    local statistics as ATen's ``var_mean`` (a reduction Inductor generates and fuses with
-    what produced ``x``), the same float64 payload, ONE functional all-reduce in a frame
-    (:func:`traced_all_reduce_sum`). No host decision depends on a value: the kernel vote
-    of the eager path is not needed (the compiler chooses every kernel, the same on every
-    rank), nor possible (it reads the vote on the host)."""
-    _refuse_debug_mode(layer)
-    channels = x.shape[1]
-    acc = accumulate_dtype(x)
-    local_count = x.numel() // channels if channels else 0
-    local = None
-    if local_count > 0:
-        dims = [0, *range(2, x.dim())]
-        var, mean = torch.var_mean(x.to(acc), dims, correction=0)
-        local = (mean, var)
-    if group is None:
-        if local is None:
-            mean, var = torch.zeros(2, channels, dtype=acc, device=x.device).unbind()
-            return Moments(0, mean, var, False)
-        # A branch, not bool(): with a dynamic batch size (automatic dynamic shapes,
-        # dynamic=True) the count is a symbol, and Dynamo guards on a branch's condition
-        return Moments(local_count, local[0], local[1], True if local_count > 1 else False)
-    packed = traced_all_reduce_sum(_packed(local, local_count, channels, x.device), group,
-                                   slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype))
-    return _unpacked(packed, local_count, acc)
 
 
 def traced_all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None, *, slot: str,
@@ -590,33 +341,15 @@ def _refuse_capture_of(group: ProcessGroup, slot: str) -> None:
             f"{layer}: the {phase} all-reduce is being captured into a CUDA graph, but its process group runs on "
             f"{backend}, whose collectives run on the host and cannot be captured. Use the nccl backend for CUDA "
             "graphs, or train without capturing (torch.compile's default mode fuses the layers without CUDA graphs).")
-    _refuse_debug_mode(layer)
+    refuse_debug_mode(layer)
 
 
-def _refuse_debug_mode(layer: str) -> None:
+def refuse_debug_mode(layer: str) -> None:
     if _debug.is_debug():
         raise RuntimeError(
             f"{layer}: distnorm.debug() reads every collective's fingerprint and the batch statistics on the host "
             "at each step, which a compiled graph or a captured CUDA graph cannot do. Debug the model eagerly "
             "(without torch.compile and without CUDA-graph capture), or leave debug mode off.")
-
-
-def _check_statistics(sums: torch.Tensor, layer: str, training: bool, count: float) -> None:
-    """Debug mode: raise on non-finite statistics or a degenerate global training batch."""
-    finite = torch.isfinite(sums)
-    if not bool(finite.all()):
-        bad = (~finite).any(0).nonzero().flatten().tolist()
-        raise NonFiniteStatisticsError(
-            f"{layer}: non-finite batch statistics in channels {bad[:16]}"
-            f"{' ...' if len(bad) > 16 else ''}; the layer's input already contains NaN/Inf "
-            "(look at the layer before it, the learning rate, or the loss scale)"
-        )
-    if training and count <= 1:
-        raise ValueError(
-            f"{layer}: expected more than 1 value per channel when training, got a global "
-            f"batch of {count:g} values per channel; increase the batch size or put the model "
-            "in eval() mode"
-        )
 
 
 def broadcast_from_first(tensors: list[torch.Tensor], group: ProcessGroup | None) -> None:

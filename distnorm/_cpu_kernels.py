@@ -47,7 +47,7 @@ threads.
 ``DISTNORM_CPU_KERNEL``: ``1`` (default) these kernels; ``0`` ATen's two passes for the
 backward and ATen's statistics (the same maths, rounded otherwise: use it on every rank or
 none). Which kernels a synchronized layer runs is agreed by its group at the group's first
-step (:func:`distnorm._fused.cpu_kernel_decision`): every rank builds or loads the C kernels
+step (:func:`distnorm._kernel_choice.cpu_kernel_decision`): every rank builds or loads the C kernels
 for its vote before using them, and that step's statistics are ATen's on every rank. A rank
 without a C compiler, or whose build fails, is named by every rank, which all raise at that
 collective — never a wait for the timeout, never a quiet fallback to other arithmetic on
@@ -72,7 +72,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["SOURCE", "backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats", "bnp_precondition",
-           "cbn_plan", "cpu_kernel_enabled", "library", "memory_format"]
+           "cbn_plan", "check_precondition_arguments", "cpu_kernel_enabled", "library", "memory_format"]
 
 SOURCE = r"""
 #include <math.h>
@@ -178,7 +178,7 @@ CLONES void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C
     }
 }
 
-/* CBN's per-channel step in float32: distnorm._fused.cbn_plan_composite's formulas in its
+/* CBN's per-channel step in float32: distnorm._composite.cbn_plan_composite's formulas in its
    order of operations, one loop over the channels instead of some thirty ATen calls (the
    Triton kernel of distnorm/_triton.py is the same program for CUDA). count: the device's
    per-channel count, or NULL for the host's (host_n, bessel); eta: NULL without history. */
@@ -244,7 +244,7 @@ void cbn_plan_f32(const float* mean, const float* var, const float* count, const
     nbt[0] = nbt_new;
 }
 
-/* The backward's per-channel operator (distnorm._fused's backward_sums_composite), float32: from the local
+/* The backward's per-channel operator (distnorm._composite's backward_sums_composite), float32: from the local
    S1, T and grad_coef = [[r_mu, q], [w, n]]: sums = [r_mu S1, q T], dgamma = T inv_rho,
    dbeta = (S1 - beta_coef T) a, w, and the count as int32. */
 void backward_sums_f32(const float* s1, const float* t, const float* beta_coef, const float* a, const float* coef,
@@ -422,7 +422,7 @@ def batch_norm_update_stats(x: Tensor, running_mean: Tensor | None, running_var:
 def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffers: list[Tensor], hyper: list[float],
              momentum: float | None) -> tuple[Tensor, ...]:
     """The CPU kernel of ``distnorm::cbn_plan`` (the arguments and the maths of
-    :func:`distnorm._fused.cbn_plan_composite`) for float32 statistics and buffers on the CPU:
+    :func:`distnorm._composite.cbn_plan_composite`) for float32 statistics and buffers on the CPU:
     :data:`SOURCE`'s ``cbn_plan_f32``, one loop over the channels where the composite makes
     some thirty ATen calls. A host count must be valid (``> 1``), as for the Triton kernel."""
     mean, var, *device = moments  # a device count's validity mask is the kernel's own (count > 1)
@@ -447,7 +447,7 @@ def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffe
 def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
                   inv_rho: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The CPU kernel of ``distnorm::backward_sums`` (float32;
-    :func:`distnorm._fused.backward_sums_composite`)."""
+    :func:`distnorm._composite.backward_sums_composite`)."""
     channels = s1.shape[0]
     sums = torch.empty(2, channels)
     grad_weight, grad_bias, w = (torch.empty(channels) for _ in range(3))
@@ -465,8 +465,9 @@ def bnp_precondition(grad_weight: Tensor, grad_bias: Tensor | None, mean: Tensor
     (:func:`distnorm._bnp_functions.bnp_precondition`, its arguments) for a float32 or float64
     gradient, in one pass that reads ``grad_weight`` and writes its transform, where ATen's
     calls make five weight-sized passes. Without a bias the second result is empty. The
-    arguments' shapes are checked by the operator before this runs
-    (:func:`distnorm._bnp_functions.check_precondition_arguments`)."""
+    kernel reads raw pointers: arguments that do not fit raise first
+    (:func:`check_precondition_arguments`), as ATen's calls would."""
+    check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
     dtype = grad_weight.dtype
     out_channels, in_channels = grad_weight.shape[0], mean.numel()
     kernel = math.prod(grad_weight.shape[2:])
@@ -495,3 +496,18 @@ def memory_format(t: Tensor) -> torch.memory_format:
     if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
         return torch.channels_last_3d
     return torch.contiguous_format
+
+
+def check_precondition_arguments(grad_weight: torch.Tensor, grad_bias: torch.Tensor | None, mean: torch.Tensor,
+                                 var_t: torch.Tensor, groups: int) -> None:
+    """Raise ``ValueError`` unless the arguments of BNP's transform fit together (shapes as in
+    :func:`distnorm._bnp_functions.bnp_precondition`): the check of its ATen calls and of the
+    C kernel :func:`bnp_precondition`, which reads raw pointers."""
+    in_channels = mean.numel()
+    if (grad_weight.dim() < 2 or groups < 1 or grad_weight.shape[0] % groups
+            or in_channels != groups * grad_weight.shape[1] or var_t.numel() != in_channels
+            or (grad_bias is not None and grad_bias.numel() != grad_weight.shape[0])):
+        raise ValueError(
+            f"bnp_precondition: weight gradient of shape {tuple(grad_weight.shape)}, bias gradient of "
+            f"{None if grad_bias is None else grad_bias.numel()} values and {in_channels} / {var_t.numel()} "
+            f"input-channel moments do not match in {groups} group(s)")

@@ -3,9 +3,10 @@
 Turned on by the environment variable ``DISTNORM_DEBUG=1`` (read at import) or at run time
 with :func:`distnorm.debug`. When on, every synchronized layer
 
-* fingerprints its collective slot (layer name, phase, channel count, dtype) across ranks
-  before the statistics collective and raises :class:`~distnorm.errors.CollectiveMismatchError`
-  if ranks disagree, instead of reducing unrelated tensors or hanging;
+* compares every collective's frame (:mod:`distnorm._frames`: each rank's layer, phase,
+  channel count and dtype travel with the statistics) as soon as it returns, on a GPU too,
+  and raises :class:`~distnorm.errors.CollectiveMismatchError` at the collective that ranks
+  paired from different layers (without debug mode a GPU finds it a few collectives later);
 * raises :class:`~distnorm.errors.NonFiniteStatisticsError` on NaN/Inf batch statistics;
 * raises ``ValueError`` when a training batch has at most one value per channel globally.
 

@@ -66,10 +66,6 @@ class Engine:
             rate; it may also set ``plugin.optimizer`` (the state the periodic check compares).
         partitioned: ``partitioned(parameter) -> bool``: true for a parameter the engine keeps
             as one shard per rank. Must give the same answer on every rank.
-        checkpoint: ``checkpoint(plugin, target)``: hand the plugin's state to the engine's own
-            checkpoint hook (``target``: what that hook takes; see the integration).
-        restore: ``restore(plugin, loaded)``: read the plugin's state back from what the
-            engine's load returned, where the engine does not call the plugin itself.
     """
 
     name: str
@@ -77,8 +73,6 @@ class Engine:
     wrappers: Types = ()
     follow: Callable[[Any, Any], Callable[[], list[Any]]] | None = None
     partitioned: Callable[[torch.Tensor], bool] | None = None
-    checkpoint: Callable[[Any, Any], Any] | None = None
-    restore: Callable[[Any, Any], Any] | None = None
 
     def wrapper_types(self) -> tuple[type, ...]:
         """The wrapper types known now (a function's answer may grow once a module is imported)."""

@@ -28,9 +28,10 @@ the process; NCCL may hang until its timeout). A frame rules out both:
 
 The error names layers by the slot texts this process knows: the slots it issued and the
 layer names :func:`add_name_source` callbacks return (a layer another rank ran and this one
-never did is named if it is in this process's model). Layers are told apart by name: name
-them (``distnorm.set_lr``, ``distnorm.name_layers``, ``distnorm.convert``, the plugin) or
-two unnamed ``CBN(64)`` look alike.
+never did is named if it is in this process's model). Layers are told apart by name: a model's
+layers by their qualified names (``distnorm.set_lr``, ``distnorm.name_layers``,
+``distnorm.convert``, the plugin name them), a bare layer by the order the process built it
+(``CBN(64) #3``).
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from distnorm._debug import is_debug
 from distnorm._release import released
 from distnorm.errors import CollectiveMismatchError
 
 __all__ = ["add_name_source", "check_pending", "compare_at_once", "frame_length", "reduce", "reserve", "slot_hash",
-           "traced_reduce"]
+           "stable_hash", "traced_reduce"]
 
 #: dtype codes of the shape entry (the input's dtype is part of the slot).
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -70,11 +72,15 @@ def frame_length(payload: int) -> int:
     return _WIDTH[0]
 
 
+def stable_hash(text: str) -> int:
+    """A 63-bit hash of ``text`` that is the same in every process (unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
 def slot_hash(slot: str) -> int:
-    """The fingerprint of a slot's ``layer|phase``: 52 bits, never 0 (0 is "no rank here")."""
-    layer_phase = "|".join(slot.split("|")[:2])
-    digest = hashlib.blake2b(layer_phase.encode(), digest_size=8).digest()
-    return 1 + (int.from_bytes(digest, "little") >> 12)
+    """The fingerprint of a slot's ``layer|phase``: :func:`stable_hash` cut to 52 bits (exact
+    in a float64 header), never 0 (0 is "no rank here")."""
+    return 1 + (stable_hash("|".join(slot.split("|")[:2])) >> 11)
 
 
 def _shape_code(channels: int, dtype: torch.dtype) -> int:
@@ -200,10 +206,12 @@ def reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, shape: t
 
 def compare_at_once(device: torch.device) -> bool:
     """Whether a frame's header is compared as soon as its all-reduce returns: on the CPU,
-    where the host waited for it (gloo) and the comparison reads no device. Elsewhere it
-    would be a host synchronisation per collective, so it is deferred (:class:`_Pending`).
-    The tests count the deferred path's ops on the CPU by answering ``False``."""
-    return device.type == "cpu"
+    where the host waited for it (gloo) and the comparison reads no device, and in debug mode
+    (:mod:`distnorm._debug`) everywhere, where a host synchronisation per collective is the
+    price of the error at the collective that went wrong. Elsewhere it is deferred
+    (:class:`_Pending`). The tests count the deferred path's ops on the CPU by answering
+    ``False``."""
+    return device.type == "cpu" or is_debug()
 
 
 def _raise(received: torch.Tensor) -> None:

@@ -8,12 +8,12 @@ issues exactly one collective in the forward and one in the backward, saves only
 plus per-channel vectors, and never reads a tensor on the host:
 
 statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
-    1. :func:`distnorm._collectives.global_moments`: local moments (ATen's statistics
+    1. :func:`distnorm._moments.global_moments`: local moments (ATen's statistics
        kernel; on the CPU ``distnorm::batch_norm_update_stats``, the same arithmetic in
        fewer cycles: :mod:`distnorm._cpu_kernels`), ONE all-reduce
        (at a group's first step its counts also carry the ranks' vote on the kernels —
        Triton's per-channel operators, the CPU's C kernels — so every rank runs the same
-       ones: :mod:`distnorm._fused`; that step's statistics are ATen's on every rank).
+       ones: :mod:`distnorm._kernel_choice`; that step's statistics are ATen's on every rank).
     2. Per-channel algebra in the accumulation dtype (float32, float64 for float64 input):
        the statistics the output uses, and the coefficients of the backward below (for
        CBN one operator, ``distnorm::cbn_plan``).
@@ -55,29 +55,7 @@ SyncBatchNorm: ``a = weight * invstd``, ``q = invstd``, ``r_mu = 1``, ``w = mean
 CBN (SPEC §1.1, with ``T = S2 / s_u``): ``a = gamma / (rho * s_u)``, ``q = r_sig / s``,
 ``w = (mu_U - beta) + r_mu * d``, ``d = mu_B - mu_U + beta``.
 
-Operators. Every operator of distnorm is declared here, through one
-:class:`torch.library.Library` (the ``distnorm`` namespace), with a fake kernel for
-tracing; each schema is read from its kernel's signature. All of them run in eager mode only:
-
-* ``distnorm::cbn_plan``, ``backward_sums``: the per-channel steps, one
-  operator each (kernels: :mod:`distnorm._fused`), so a GPU launches one
-  kernel where ATen would launch some thirty, and a CPU runs one C loop
-  (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
-  ``"triton"``, ``"cpu"``), as the group agreed.
-* ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
-  the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
-* ``distnorm::bnp_precondition``: BNP's gradient transform on the CPU in one pass
-  (:mod:`distnorm._cpu_kernels`; the maths: :func:`distnorm._bnp_functions.bnp_precondition`).
-
-One operator runs in compiled code only: ``distnorm::snapshot``, copies of the AMAT and BNP
-buffers that a compiled step reads before updating them in place
-(:func:`distnorm._traced.cbn_statistics` says why it is an operator).
-
-The operators run with autograd off (inside the statistics step and the hand-written
-backward), so none needs an autograd formula; declaring them on a
-:class:`~torch.library.Library` rather than with ``torch.library.custom_op`` spares every
-call that decorator's Python wrapper, whose host time is what the fusion saves on a GPU
-(figures: ``docs/reference/benchmarks.md``).
+Operators: :mod:`distnorm._ops` declares them; their kernels are :mod:`distnorm._kernels`'.
 
 Compiled. Under ``torch.compile`` the statistics step and the backward are
 :mod:`distnorm._traced`'s: the same mathematics as ATen calls Inductor decomposes and fuses
@@ -87,7 +65,7 @@ and no host decision is left for the graph to guard on (a compiled model trains 
 phases in one graph).
 
 CUDA graphs. A captured step is replayed at other learning rates and buffer states, so while
-capturing (:func:`distnorm._collectives.capturing`) a layer takes the decisions a replay keeps:
+capturing (:func:`distnorm._capture.capturing`) a layer takes the decisions a replay keeps:
 AMAT's history path with ``eta`` read on the device, the AMAT initialisation checked on the
 device, and the all-reduce as compiled code runs it (NCCL only: the fingerprints compared on
 the device, :func:`distnorm._frames.traced_reduce`). What reads the device on the host -- the
@@ -113,36 +91,21 @@ twins; every call below gives them what CUDA needs, on every device, and
 
 from __future__ import annotations
 
-import copy
-import itertools
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-import distnorm
-
-# The torch really imported (`import distnorm` read its metadata, which a torch on PYTHONPATH
-# without one does not have), checked before anything below declares an operator.
-distnorm._require_torch(torch.__version__)
-
-from distnorm import _bnp_functions, _collectives, _frames, _fused, _traced  # noqa: E402
-from distnorm._collectives import ProcessGroup, constant
-from distnorm._cpu_kernels import batch_norm_backward_elemt as _cpu_backward_elemt
-from distnorm._cpu_kernels import batch_norm_update_stats as _cpu_update_stats
-from distnorm._cpu_kernels import bnp_precondition as _cpu_bnp_precondition
+from distnorm import _bnp_functions, _capture, _collectives, _kernel_choice, _ops, _traced
+from distnorm._composite import backward_sums_composite, grad_coef_of, to_dtype, update_running
+from distnorm._constants import constant
 from distnorm._cpu_kernels import memory_format as _memory_format
-from distnorm._fused import grad_coef_of, to_dtype, update_running
 from distnorm._recompute import Stash, StashedPlan, in_backward
+from distnorm._state import CBNBuffers, NormPlan, NormState
 
 __all__ = [
     "AffinePartsFunction",
-    "CBNBuffers",
-    "NormPlan",
-    "NormState",
     "NormalizeFunction",
     "bn_statistics",
     "bnp_statistics",
@@ -152,122 +115,7 @@ __all__ = [
     "normalize",
     "normalize_backward",
     "normalize_parts",
-    "register",
 ]
-
-
-# ----------------------------------------------------------------------- state
-@dataclass(eq=False)
-class NormState:
-    """What the mathematics needs to know about one layer, in one small structure.
-
-    The module owns parameters and buffers; this object carries its hyper-parameters and
-    the host-side facts that let the statistics skip work without reading the device.
-
-    Attributes:
-        kind: ``"bn"`` (batch normalization) or ``"cbn"`` (CBN / POP-Norm).
-        name: the layer's name in error messages.
-        eps, momentum: hyper-parameters.
-        rho, r_max: CBN's (``rho = kappa``, ``r_max = 1`` for POP-Norm); ``None`` for BN.
-        process_group, sync: what to synchronize over.
-        eval_stats: CBN's statistics at evaluation (``"auto"``, ``"amat"``, ``"running"``).
-        amat: CBN's AMAT is on: every training step blends in history by ``eta``, read on the
-            device; for a functional call, whether this call's ``eta`` may be > 0.
-        amat_ready: the AMAT buffers are initialised on every rank (the host saw it happen).
-        stats_sink: dict the theory monitors read the last batch statistics from, or None
-            (references to the fused operator's inputs and outputs: no op of its own).
-        stash: plans kept for activation checkpointing (made at first use).
-    """
-
-    kind: str
-    name: str
-    eps: float
-    momentum: float | None
-    rho: float | None = None
-    r_max: float | None = None
-    process_group: ProcessGroup | None = None
-    sync: bool = True
-    eval_stats: str | None = None
-    amat: bool = False
-    amat_ready: bool = False
-    stats_sink: dict | None = None
-    stash: Stash | None = field(default=None, repr=False)  # made at the first stash (a layer makes its own)
-    pending: StashedPlan | None = field(default=None, repr=False)
-    key: int = field(default=-1, repr=False)  # registry key (a module's state; -1: a functional call's)
-    channels: int = field(default=0, repr=False)  # a module's, reserved in every frame (distnorm._frames)
-
-    @classmethod
-    def of_layer(cls, kind: str, name: str, channels: int, **fields: Any) -> "NormState":
-        """A module's state: kept across its calls, with its own stash, and registered."""
-        state = cls(kind, name, stash=Stash(), channels=channels, **fields)
-        register(state, channels)
-        return state
-
-    def group(self) -> ProcessGroup | None:
-        return _collectives.sync_group(self.process_group) if self.sync else None
-
-    def __getstate__(self) -> dict[str, Any]:  # pickling / deepcopy: runtime fields reset
-        state = dict(self.__dict__)
-        state.update(stash=None, pending=None, stats_sink=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.stash = Stash()
-        if self.key >= 0:  # a module's state: the copy gets a key of its own (and its frames' width)
-            register(self, self.channels)
-
-    def __deepcopy__(self, memo: dict) -> "NormState":
-        new = NormState.__new__(NormState)
-        state = self.__getstate__()
-        group = state.pop("process_group")
-        new.__setstate__(copy.deepcopy(state, memo))
-        new.process_group = group  # process groups are shared handles, never copied
-        return new
-
-
-class CBNBuffers(NamedTuple):
-    """The statistics a CBN / POP-Norm layer keeps (its buffers), updated in place by a
-    training call. ``CBNBuffers.fresh(c)`` gives new ones for ``c`` channels."""
-
-    amat_mean: Tensor
-    amat_var: Tensor
-    amat_initialized: Tensor
-    running_mean: Tensor
-    running_var: Tensor
-    num_batches_tracked: Tensor
-
-    @classmethod
-    def fresh(cls, channels: int, *, dtype: torch.dtype = torch.float32, device: Any = None) -> "CBNBuffers":
-        def vec(value: float) -> Tensor:
-            return torch.full((channels,), value, dtype=dtype, device=device)
-
-        return cls(vec(0.0), vec(1.0), torch.zeros((), dtype=torch.bool, device=device), vec(0.0), vec(1.0),
-                   torch.zeros((), dtype=torch.long, device=device))
-
-
-class NormPlan(NamedTuple):
-    """Per-channel tensors of one training step (all of the accumulation dtype).
-
-    Attributes:
-        center: subtracted from ``x`` (``mean`` for BN, ``mu_U - beta`` for CBN).
-        var: variance the output divides by (``sqrt(var + eps)``).
-        invstd: ``1 / sqrt(var + eps)``.
-        grad_scale: ``a``, the factor of ``g`` in the input gradient — except for
-            unsynchronized BN, whose backward is ATen's own: there, the weight (ones without
-            affine) that kernel takes.
-        grad_coef: ``(2, 2, C)``, ``[[r_mu, q], [w, n]]``: with the global ``[S1, T]``, the
-            element-wise pass's coefficients (``distnorm::backward_sums``; zeros, unread, for
-            unsynchronized BN).
-        beta_coef: ``q * d`` of CBN's ``dbeta = a (S1 - q d T)`` (local sums); empty for BN.
-    """
-
-    center: Tensor
-    var: Tensor
-    invstd: Tensor
-    grad_scale: Tensor
-    grad_coef: Tensor
-    beta_coef: Tensor
 
 
 # ------------------------------------------------------------------- the step
@@ -332,12 +180,12 @@ class AffinePartsFunction(torch.autograd.Function):
         a, grad_coef, beta_coef = ctx.saved_tensors
         state = ctx.state
         if torch.compiler.is_compiling():  # traced: the composite, which the compiler fuses
-            _, grad_weight, grad_bias, _, _ = _fused.backward_sums_composite(
+            _, grad_weight, grad_bias, _, _ = backward_sums_composite(
                 grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho)
         else:
-            _, grad_weight, grad_bias, _, _ = torch.ops.distnorm.backward_sums(
+            _, grad_weight, grad_bias, _, _ = _ops.backward_sums(
                 grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho,
-                _fused.kernel_choice(state.group(), a.device))
+                _kernel_choice.kernel_choice(state.group(), a.device))
         return to_dtype(grad_weight, ctx.weight_dtype), to_dtype(grad_bias, ctx.bias_dtype), None, None
 
 
@@ -380,7 +228,7 @@ def _compiled_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, 
     """The statistics step as ``torch.compile`` traces it (:mod:`distnorm._traced`)."""
     if state.kind == "bn":
         return NormPlan(*_traced.bn_statistics(x, weight, buffers, state))
-    return NormPlan(*_traced.cbn_statistics(x, weight, bias, buffers, eta, state, torch.ops.distnorm.snapshot))
+    return NormPlan(*_traced.cbn_statistics(x, weight, bias, buffers, eta, state))
 
 
 class NormalizeFunction(torch.autograd.Function):
@@ -427,7 +275,7 @@ def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Te
     it (:func:`distnorm._traced.bnp_statistics`). ``state``: the layer's
     :class:`~distnorm._bnp_functions.BNPLayerState`."""
     if torch.compiler.is_compiling():
-        return _traced.bnp_statistics(h, mean, var, state, torch.ops.distnorm.snapshot)
+        return _traced.bnp_statistics(h, mean, var, state)
     return _bnp_functions.layer_statistics(h, mean, var, state)
 
 
@@ -442,7 +290,7 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
     """
     running_mean, running_var, num_batches_tracked = buffers
     group = state.group()
-    moments = _fused.synced_moments(x, group, state.name)  # at the group's first step: its kernel vote
+    moments = _kernel_choice.synced_moments(x, group, state.name)  # at the group's first step: its kernel vote
     mean, var, count = moments.mean, moments.var, moments.count
     acc = mean.dtype
     channels = mean.shape[0]
@@ -452,11 +300,11 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
         # Local: ATen's training backward does all of it (normalize_backward), given the
         # weight in the accumulation dtype (ones without affine) as grad_scale.
         a = to_dtype(weight, acc) if weight is not None else one
-        grad_coef = _ZEROS.get((2, 2, channels), acc, mean.device)
+        grad_coef = constant(0.0, (2, 2, channels), acc, mean.device)
     else:
         a = invstd * to_dtype(weight, acc) if weight is not None else invstd
         grad_coef = grad_coef_of(one, invstd, mean, count)  # r_mu = 1, q = invstd, w = mean
-    plan = NormPlan(mean, var, invstd, a, grad_coef, _ZEROS.get((0,), acc, mean.device))
+    plan = NormPlan(mean, var, invstd, a, grad_coef, constant(0.0, (0,), acc, mean.device))
     update_running(running_mean, running_var, num_batches_tracked, mean, var, count, state.momentum, moments.valid)
     return plan
 
@@ -466,24 +314,24 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
                    state: NormState) -> NormPlan:
     """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history): the
     global moments (one all-reduce), then one operator, ``distnorm::cbn_plan``, for the
-    per-channel algebra and the buffer updates (:func:`distnorm._fused.cbn_plan_composite`
+    per-channel algebra and the buffer updates (:func:`distnorm._composite.cbn_plan_composite`
     gives the maths). A layer with AMAT (``state.amat``) always blends history by ``eta``,
     read on the device (for ``eta = 0`` that gives the batch statistics): in eager mode, in
     a captured CUDA graph replayed at other learning rates, and in compiled code alike.
     """
     group = state.group()
-    count, mean, var, valid = _fused.synced_moments(x, group, state.name)  # at the group's first step: its vote
-    plan_kernel = _fused.kernel_choice(group, x.device)
+    count, mean, var, valid = _kernel_choice.synced_moments(x, group, state.name)  # at the group's first step: its vote
+    plan_kernel = _kernel_choice.kernel_choice(group, x.device)
     if isinstance(count, int):
         host_count, moments = count, [mean, var]
     else:
         host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
     # Captured into a CUDA graph, the step may be replayed before the AMAT buffers' first
     # update: their initialisation is then checked on the device (the same values either way).
-    replayed = _collectives.capturing(x.device)
+    replayed = _capture.capturing(x.device)
     params = [weight, bias, eta] if state.amat else [weight, bias]
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
-    plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
+    plan = NormPlan(*_ops.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
                                                  state.amat_ready and not replayed, plan_kernel))
     if state.stats_sink is not None:
         # Theory monitors (distnorm.monitors) read the operator's own inputs and outputs, the
@@ -493,27 +341,6 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     if valid is True and not replayed:
         state.amat_ready = True  # the host saw the AMAT buffers initialised (a capture has not run yet)
     return plan
-
-
-class _ZerosCache:
-    """Read-only zero tensors per (shape, dtype, device), for plan fields a path does not use
-    (BN's ``beta_coef``; the local BN backward's ``grad_coef``): no op per step, and the
-    shapes the operators' fake kernels give."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple[tuple[int, ...], torch.dtype, torch.device], Tensor] = {}
-
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        key = (shape, dtype, device)
-        if key not in self._cache:
-            zeros = torch.zeros(shape, dtype=dtype, device=device)
-            if _collectives.capturing(device):  # a fill captured into a CUDA graph has not run yet
-                return zeros
-            self._cache[key] = zeros
-        return self._cache[key]
-
-
-_ZEROS = _ZerosCache()
 
 
 # ---------------------------------------------------------------- forward / backward
@@ -584,16 +411,16 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
         # (kernel contract: no empty input; fresh zeros, since they become gradients)
         t_local, s1_local = torch.zeros(2, channels, dtype=center.dtype, device=center.device).unbind()
 
-    # One fused operator (see distnorm._fused): the local sums scaled for the element-wise
+    # One fused operator (distnorm._kernels): the local sums scaled for the element-wise
     # pass, [r_mu S1, q T], the local parameter gradients, the pass's w and count.
-    kernel = _fused.kernel_choice(state.group(), x.device)  # what the forward's group agreed
+    kernel = _kernel_choice.kernel_choice(state.group(), x.device)  # what the forward's group agreed
     if state.kind == "bn":  # ATen's sums are BN's parameter gradients; no beta term
-        sums, _, _, w, count = torch.ops.distnorm.backward_sums(
-            s1_local, t_local, _ZEROS.get((channels,), center.dtype, center.device),
+        sums, _, _, w, count = _ops.backward_sums(
+            s1_local, t_local, constant(0.0, (channels,), center.dtype, center.device),
             constant(1.0, channels, center.dtype, center.device), grad_coef, 1.0, kernel)
         grad_weight, grad_bias = t_local, s1_local
     else:
-        sums, grad_weight, grad_bias, w, count = torch.ops.distnorm.backward_sums(
+        sums, grad_weight, grad_bias, w, count = _ops.backward_sums(
             s1_local, t_local, beta_coef, grad_scale, grad_coef, 1.0 / state.rho, kernel)
 
     if not need_input_grad:
@@ -607,7 +434,7 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
         return torch.empty_like(x), grad_weight, grad_bias
     shift, slope = sums.unbind()  # r_mu S1, q T of the global batch
     # The C pass wherever the group agreed on the C kernels (also where Triton's interpreter runs the operators).
-    cpu_kernel = _fused.cpu_kernel_decision(state.group(), x.device)
+    cpu_kernel = _kernel_choice.cpu_kernel_decision(state.group(), x.device)
     return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), cpu_kernel), grad_weight, \
         grad_bias
 
@@ -622,7 +449,7 @@ def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequen
     ``weight = a``, ``sum_dy = shift``, ``sum_dy_xmu = slope`` and ``count = [n]``, which
     the CUDA path calls; the CPU calls its twin of the same schema and formula,
     ``distnorm::batch_norm_backward_elemt`` (:mod:`distnorm._cpu_kernels`), with
-    ``cpu_kernel`` (:func:`distnorm._fused.cpu_kernel_decision`). Other devices, and the CPU
+    ``cpu_kernel`` (:func:`distnorm._kernel_choice.cpu_kernel_decision`). Other devices, and the CPU
     without it, take ATen's two passes
     (``a g + B x + D``, rounded twice). Kernel contract (CUDA): a non-empty input, per-channel
     tensors of the accumulation dtype, 1-D and contiguous, ``count`` int32.
@@ -632,7 +459,7 @@ def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequen
     if x.device.type == "cuda":
         return torch.ops.aten.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
     if cpu_kernel and x.device.type == "cpu":
-        return torch.ops.distnorm.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
+        return _ops.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
     # B = -a slope / n, D = a (w slope - shift) / n: an affine map of x, then + a g.
     u = grad_scale / count.to(w.dtype)
     grad_x = channel_affine(x, torch.mul(u, slope).neg_(), torch.addcmul(shift, w, slope, value=-1.0).mul_(u).neg_())
@@ -656,112 +483,3 @@ def _local_batch_norm_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tens
     return grad_x, grad_weight, grad_bias
 
 
-# ------------------------------------------------------------- the layers of the process
-_STATES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
-
-
-def register(state: Any, channels: int = 0) -> int:
-    """Record ``state`` (a module's :class:`NormState`, a BNP layer's state) among the
-    process's layers, whose names a mismatched frame's error reads
-    (:func:`distnorm._frames.add_name_source`); a key per object, held weakly.
-    ``channels``: the layer's, whose statistics every collective frame of the process must
-    hold (:func:`distnorm._frames.reserve`)."""
-    if channels:
-        _frames.reserve(channels)
-    key = getattr(state, "key", -1)
-    if key < 0 or _STATES.get(key) is not state:
-        key = next(_KEYS)
-        _STATES[key] = state
-        state.key = key
-    return key
-
-
-_frames.add_name_source(lambda: [state.name for state in list(_STATES.values())])
-
-
-# ------------------------------------------------------------------ the operators
-_LIB = torch.library.Library("distnorm", "FRAGMENT")
-
-
-def _define(name: str, kernel: Callable, fake: Callable, mutates: tuple[str, ...] = ()) -> None:
-    """Declare ``distnorm::<name>`` with ``kernel``'s signature (its schema inferred, the
-    ``mutates`` arguments annotated), register ``kernel`` for every device
-    (``CompositeExplicitAutograd``) and ``fake`` for tracing."""
-    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates))
-    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"distnorm::{name}", fake, lib=_LIB)
-
-
-# The per-channel steps (kernels: distnorm._fused).
-def _cbn_plan_fake(moments: list[Tensor], *_: Any) -> tuple[Tensor, ...]:
-    vec, channels = moments[0].new_empty, moments[0].shape[0]
-    return vec(channels), vec(channels), vec(channels), vec(channels), vec(2, 2, channels), vec(channels)
-
-
-def _backward_sums_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return (s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1), torch.empty_like(s1),
-            s1.new_empty(1, dtype=torch.int32))
-
-
-_define("cbn_plan", _fused.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
-_define("backward_sums", _fused.backward_sums, _backward_sums_fake)
-
-
-# Copies of the buffers a compiled step updates in place, read by its backward
-# (distnorm._traced.cbn_statistics says why): an operator the compiler keeps, so that its
-# partitioner saves the copies rather than recompute from the updated buffers.
-def _snapshot(tensors: list[Tensor]) -> list[Tensor]:
-    return [t.clone() for t in tensors]
-
-
-def _snapshot_fake(tensors: list[Tensor]) -> list[Tensor]:
-    return [torch.empty_like(t) for t in tensors]
-
-
-_define("snapshot", _snapshot, _snapshot_fake)
-
-
-# The backward's element-wise pass on the CPU (kernel: distnorm._cpu_kernels), with the schema
-# and the formula of ATen's CUDA batch_norm_backward_elemt, which the CUDA path calls.
-def _batch_norm_backward_elemt_fake(grad_out: Tensor, x: Tensor, *_: Any) -> Tensor:
-    return torch.empty_like(x)
-
-
-_LIB.define("batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
-            "Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor")
-_LIB.impl("batch_norm_backward_elemt", _cpu_backward_elemt, "CPU")
-torch.library.register_fake("distnorm::batch_norm_backward_elemt", _batch_norm_backward_elemt_fake, lib=_LIB)
-
-
-# The forward's statistics on the CPU (kernel: distnorm._cpu_kernels; ATen's arithmetic in fewer
-# cycles), with the schema of ATen's batch_norm_update_stats, which every other device calls.
-def _batch_norm_update_stats_fake(x: Tensor, running_mean: Optional[Tensor], *_: Any) -> tuple[Tensor, Tensor]:
-    acc = running_mean.dtype if running_mean is not None else x.dtype
-    return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
-
-
-_LIB.define("batch_norm_update_stats(Tensor input, Tensor? running_mean, Tensor? running_var, float momentum) "
-            "-> (Tensor, Tensor)")
-_LIB.impl("batch_norm_update_stats", _cpu_update_stats, "CPU")
-torch.library.register_fake("distnorm::batch_norm_update_stats", _batch_norm_update_stats_fake, lib=_LIB)
-
-
-# BNP's gradient transform on the CPU in one pass (kernel: distnorm._cpu_kernels), called by
-# distnorm._bnp_functions.BNPGradientFunction in eager mode where the layer's group agreed on the C
-# kernels; every other device, and compiled code (which fuses them itself), take ATen's calls.
-def _bnp_precondition_fake(grad_weight: Tensor, grad_bias: Optional[Tensor], *_: Any) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(grad_weight), grad_weight.new_empty(grad_weight.shape[0] if grad_bias is not None else 0)
-
-
-def _bnp_precondition_cpu(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor, q2: float,
-                          groups: int) -> tuple[Tensor, Tensor]:
-    # The kernel reads raw pointers: arguments that do not fit raise first, as ATen's calls would.
-    _bnp_functions.check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
-    return _cpu_bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups)
-
-
-_LIB.define("bnp_precondition(Tensor grad_weight, Tensor? grad_bias, Tensor mean, Tensor var_t, float q2, int groups) "
-            "-> (Tensor, Tensor)")
-_LIB.impl("bnp_precondition", _bnp_precondition_cpu, "CPU")
-torch.library.register_fake("distnorm::bnp_precondition", _bnp_precondition_fake, lib=_LIB)

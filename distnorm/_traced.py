@@ -10,10 +10,10 @@ guarded on. So when :func:`torch.compiler.is_compiling` is true, the statistics 
 hand-written backward are the functions here: the same mathematics in ATen calls the compiler
 decomposes, with
 
-* the per-channel algebra of :func:`distnorm._fused.cbn_plan_composite` and
-  :func:`distnorm._fused.backward_sums_composite`, traced (the composites are the
+* the per-channel algebra of :func:`distnorm._composite.cbn_plan_composite` and
+  :func:`distnorm._composite.backward_sums_composite`, traced (the composites are the
   implementations' reference; the eager Triton and C kernels are checked against them);
-* ONE functional all-reduce per phase (:func:`distnorm._collectives.traced_moments`,
+* ONE functional all-reduce per phase (:func:`distnorm._moments.traced_moments`,
   :func:`distnorm._collectives.traced_all_reduce_sum`): a collective node that Inductor keeps
   as one and that CUDA graphs capture on NCCL;
 * every decision either fixed by the layer's configuration (a layer with AMAT blends history
@@ -34,13 +34,13 @@ recomputation would repeat the buffer updates the eager path stashes).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
-from distnorm import _bnp_functions, _collectives, _fused
-from distnorm._fused import grad_coef_of, to_dtype, update_running
+from distnorm import _bnp_functions, _collectives, _moments, _ops
+from distnorm._composite import backward_sums_composite, cbn_plan_composite, grad_coef_of, to_dtype, update_running
 
 __all__ = ["bn_statistics", "bnp_statistics", "cbn_statistics", "normalize_backward"]
 
@@ -52,11 +52,11 @@ def _view(v: Tensor, ndim: int) -> Tensor:
 def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | None],
                   state: Any) -> tuple[Tensor, ...]:
     """Batch normalization's statistics step (the fields of
-    :class:`distnorm._functions.NormPlan`; the eager maths:
+    :class:`distnorm._state.NormPlan`; the eager maths:
     :func:`distnorm._functions.bn_statistics`); the running statistics updated in place."""
     running_mean, running_var, num_batches_tracked = buffers
     group = state.group()
-    count, mean, var, valid = _collectives.traced_moments(x.detach(), group, state.name)
+    count, mean, var, valid = _moments.traced_moments(x.detach(), group, state.name)
     channels, acc = mean.shape[0], mean.dtype
     invstd = torch.rsqrt(var + state.eps)
     one = torch.ones(channels, dtype=acc, device=mean.device)
@@ -72,17 +72,17 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
 
 
 def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Tensor], eta: Tensor,
-                   state: Any, snapshot: Callable[[list[Tensor]], list[Tensor]]) -> tuple[Tensor, ...]:
+                   state: Any) -> tuple[Tensor, ...]:
     """CBN's / POP-Norm's statistics step (SPEC §1): the plan's fields, the AMAT and running
-    buffers updated in place (:func:`distnorm._fused.cbn_plan_composite`, traced).
+    buffers updated in place (:func:`distnorm._composite.cbn_plan_composite`, traced).
 
     A layer with AMAT (``state.amat``) blends history with ``eta`` read on the device, as in
     eager mode, and always checks the AMAT buffers' initialisation on the device: the host's
     knowledge of it (``state.amat_ready``) changes during training, and a graph reading it
     would recompile.
 
-    The AMAT buffers are read through ``snapshot`` (``distnorm::snapshot``: copies, made by an
-    operator the compiler keeps). Why: AOTAutograd applies a graph's in-place updates of its
+    The AMAT buffers are read through ``distnorm::snapshot`` (copies, made by an operator the
+    compiler keeps). Why: AOTAutograd applies a graph's in-place updates of its
     inputs after the forward, and its min-cut partitioner may save such an input for the
     backward and recompute from it what the backward needs -- from the buffer already updated
     (compiled CBN's gradients were off by 1e-4 to 1 at eta = 0.5; pytorch/pytorch#197039,
@@ -91,28 +91,27 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     reduction the partitioner bans (the maximum over expanded views) made Inductor's CUDA code
     write a wrong AMAT mean (bench/results/gpu-2026-11-28-c-diagnostics.md)."""
     group = state.group()
-    count, mean, var, valid = _collectives.traced_moments(x.detach(), group, state.name)
+    count, mean, var, valid = _moments.traced_moments(x.detach(), group, state.name)
     if isinstance(count, int):
         host_count, moments = count, [mean, var]
     else:
         host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
     params = [weight.detach(), bias.detach()] + ([eta] if state.amat else [])
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
-    amat_before = snapshot(list(buffers[:3])) if state.amat else None
-    plan = _fused.cbn_plan_composite(moments, host_count, params, list(buffers), hyper, state.momentum,
-                                     amat_ready=False, amat_before=amat_before)
+    amat_before = _ops.snapshot(list(buffers[:3])) if state.amat else None
+    plan = cbn_plan_composite(moments, host_count, params, list(buffers), hyper, state.momentum,
+                              amat_ready=False, amat_before=amat_before)
     if state.stats_sink is not None:  # the theory monitors' references (distnorm.monitors)
         state.stats_sink.update(mean=mean, var=var, center=plan[0], eps=state.eps)
     return plan
 
 
-def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any,
-                   snapshot: Callable[[list[Tensor]], list[Tensor]]) -> tuple[Tensor, Tensor, Any]:
+def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Tensor, Tensor, Any]:
     """BNP's statistics step on a preconditioned layer's input (``(mean, var_t, count)``;
     :func:`distnorm._bnp_functions.running_update`), the moments updated in place and read
-    through ``snapshot`` (:func:`cbn_statistics` says why)."""
-    moments = _collectives.traced_moments(h.detach(), state.group(), f"BNP '{state.name}'")
-    before = tuple(snapshot([mean, var]))
+    through ``distnorm::snapshot`` (:func:`cbn_statistics` says why)."""
+    moments = _moments.traced_moments(h.detach(), state.group(), f"BNP '{state.name}'")
+    before = tuple(_ops.snapshot([mean, var]))
     new_mean, var_t, count = _bnp_functions.running_update(moments, h, mean, var, state.config, before)
     if isinstance(count, int):  # a host count (local statistics): a tensor, as the backward traced now reads q²
         count = torch.full((), float(count), dtype=new_mean.dtype, device=new_mean.device)
@@ -143,7 +142,7 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     if state.kind == "bn":  # ATen's sums are BN's parameter gradients; no beta term
         sums, grad_weight, grad_bias = grad_coef[0] * torch.stack([s1, t]), t, s1
     else:
-        sums, grad_weight, grad_bias, _, _ = _fused.backward_sums_composite(s1, t, beta_coef, grad_scale, grad_coef,
+        sums, grad_weight, grad_bias, _, _ = backward_sums_composite(s1, t, beta_coef, grad_scale, grad_coef,
                                                                           1.0 / state.rho)
     if not need_input_grad:
         return x.new_empty(0), grad_weight, grad_bias

@@ -1,15 +1,15 @@
-"""CUDA kernels of the fused per-channel steps (:mod:`distnorm._fused`), in Triton.
+"""CUDA kernels of the fused per-channel steps (:mod:`distnorm._kernels`), in Triton.
 
 One program walks every channel in blocks, so the scalars a step also updates (the AMAT
 flag, ``num_batches_tracked``) are read before and written after every channel in the same
 program: no race between programs, a barrier between the program's warps before the
 scalars are stored, and one launch per step. Each launch runs on its tensors' device
 (``torch.cuda.device``), whatever the current device is. Each kernel is the
-composite of :mod:`distnorm._fused` written element-wise, in the same order of operations
+composite of :mod:`distnorm._composite` written element-wise, in the same order of operations
 (``torch.lerp``'s two-sided formula included); ``tests/test_fused.py`` runs every kernel
 through Triton's interpreter on the CPU against the composite.
 
-This module imports Triton; :mod:`distnorm._fused` imports it only where a CUDA tensor
+This module imports Triton; :mod:`distnorm._kernels` imports it only where a CUDA tensor
 meets a supported case, so a machine without Triton never loads it.
 """
 
@@ -174,7 +174,7 @@ def _block(channels: int) -> int:
 
 def cbn_plan(moments, host_count, params, buffers, hyper, momentum, kernels=KERNELS):
     """The CUDA kernel of ``distnorm::cbn_plan`` (the arguments of
-    :func:`distnorm._fused.cbn_plan_composite`; float32 accumulation; valid host counts)."""
+    :func:`distnorm._composite.cbn_plan_composite`; float32 accumulation; valid host counts)."""
     mean, var, *device = moments  # a device count's mask is the kernel's own (count > 1)
     count = device[0] if device else None
     weight, bias, *eta = (p.contiguous() for p in params)

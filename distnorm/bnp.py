@@ -55,7 +55,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from distnorm import _functions, _fused
+from distnorm import _functions, _kernel_choice, _state
 from distnorm._bnp_functions import BNPGradientFunction, BNPLayerState, bnp_q2
 from distnorm._collectives import ProcessGroup
 from distnorm._recompute import StashedPlan
@@ -122,7 +122,7 @@ def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = _own(module, "weight")
         # The C kernel where the group agreed on it (after this step's statistics, which carried
         # the vote at its first step); a compiled backward fuses ATen's calls itself.
-        cpu_kernel = not torch.compiler.is_compiling() and _fused.cpu_kernel_decision(state.group(), weight.device)
+        cpu_kernel = not torch.compiler.is_compiling() and _kernel_choice.cpu_kernel_decision(state.group(), weight.device)
         state.aliases = BNPGradientFunction.apply(weight, _own(module, "bias"), mean, var_t, q2, state.groups,
                                                   cpu_kernel)
     return state.aliases
@@ -219,7 +219,7 @@ def _setstate_preconditioned(module: nn.Module, state: dict[str, Any]) -> None:
     module._distnorm_original_class.__setstate__(module, state)
     bnp_state = module.__dict__.get("_distnorm_bnp")
     if bnp_state is not None:
-        _functions.register(bnp_state, channels=module.bnp_mean.numel())  # its frames' width too
+        _state.register(bnp_state, channels=module.bnp_mean.numel())  # its frames' width too
 
 
 def _post_forward(module: nn.Module, args: tuple, output: Any) -> None:
@@ -465,7 +465,7 @@ def _precondition(name: str, module: nn.Module, config: BNPSpec, process_group: 
         dense=isinstance(module, nn.Linear), fan_in=math.prod(weight.shape[1:]),
         groups=getattr(module, "groups", 1),
     )
-    _functions.register(state, channels=in_channels)
+    _state.register(state, channels=in_channels)
     state.hooks = [module.register_forward_pre_hook(_pre_forward),
                    module.register_forward_hook(_post_forward, always_call=True)]
     module._distnorm_bnp = state

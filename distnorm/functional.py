@@ -20,10 +20,12 @@ from typing import Sequence
 
 import torch
 
-from distnorm import _collectives, _functions
+from distnorm import _functions
 from distnorm._bnp_functions import bnp_precondition
 from distnorm._collectives import ProcessGroup
-from distnorm._functions import CBNBuffers, NormState, channel_affine
+from distnorm._functions import channel_affine
+from distnorm._moments import accumulate_dtype
+from distnorm._state import CBNBuffers, NormState
 from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
 __all__ = ["CBNBuffers", "NormState", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "normalize",
@@ -224,7 +226,7 @@ def cbn_inference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buf
     eval_stats, b = state.eval_stats, buffers
     if eval_stats not in EVAL_STATS:
         raise ValueError(f"{state.name}: eval_stats must be one of {EVAL_STATS}, got {eval_stats!r}")
-    acc = _collectives.accumulate_dtype(x)
+    acc = accumulate_dtype(x)
     gamma, beta = weight.to(acc), bias.to(acc)
     if eval_stats == "amat":
         mean, var = b.amat_mean.to(acc), b.amat_var.to(acc)

@@ -12,6 +12,7 @@ input dtype). Buffers stay float32 even after ``model.half()``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from typing import Any
@@ -34,6 +35,10 @@ _warned_no_lr = False  # one warning per process, not one per layer
 def _check_num_features(owner: str, num_features: int) -> None:
     if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
         raise ValueError(f"{owner}: num_features must be a positive int, got {num_features!r}")
+
+
+#: Layers built by this process, in order: an unnamed layer's name (_DistNormLayer._init_state).
+_BUILT = itertools.count(1)
 
 
 def _state_field(name: str, doc: str) -> property:
@@ -60,8 +65,12 @@ class _DistNormLayer(nn.Module):
     process_group = _state_field("process_group", "group to synchronize over (None: the default group)")
 
     def _init_state(self, kind: str, **fields: Any) -> None:
-        self._state = NormState.of_layer(kind, f"{type(self).__name__}({self.num_features})", self.num_features,
-                                         **fields)
+        # Until a model names it (name_layers, set_lr, convert, the plugin), a layer is named by
+        # the order in which the process built it: ranks that build the same model name its
+        # layers alike, and two bare CBN(64) that ranks run in different orders are told apart
+        # by the frames (distnorm._frames) instead of mixing their statistics.
+        name = f"{type(self).__name__}({self.num_features}) #{next(_BUILT)}"
+        self._state = NormState.of_layer(kind, name, self.num_features, **fields)
 
     @property
     def _distnorm_name(self) -> str:
@@ -76,9 +85,6 @@ class _DistNormLayer(nn.Module):
         self._named = True
 
     _named = False  # whether a qualified name was recorded
-
-    def _layer_name(self) -> str:
-        return self._state.name
 
     def train(self, mode: bool = True) -> "_DistNormLayer":
         # A train()/eval() switch ends any reentrant-checkpointing recomputation still pending.
@@ -163,7 +169,7 @@ class _CompleteNorm(_DistNormLayer):
         gives the batch statistics). Its value is checked only in debug mode
         (:func:`distnorm.debug`), which reads it.
         """
-        lr = _checked_lr(lr, self._layer_name())
+        lr = _checked_lr(lr, self._distnorm_name)
         self.lr = lr
         if isinstance(lr, torch.Tensor) and self.amat:
             self._set_eta(functional.amat_eta(lr, self.omega))
@@ -220,7 +226,7 @@ class _CompleteNorm(_DistNormLayer):
             True
         """
         if not self.training:
-            raise RuntimeError(f"{self._layer_name()}: forward_parts computes a training step; in eval() mode call "
+            raise RuntimeError(f"{self._distnorm_name}: forward_parts computes a training step; in eval() mode call "
                                "the layer itself")
         parts = functional.normalize_parts(x, self.weight, self.bias, self._statistics(), self._state,
                                            eta=self.amat_eta)
@@ -234,7 +240,7 @@ class _CompleteNorm(_DistNormLayer):
         if not torch.compiler.is_compiling() and self.amat and self.lr is None and not _warned_no_lr:
             _warned_no_lr = True
             warnings.warn(
-                f"{self._layer_name()}: AMAT has no learning rate yet, so it uses eta=0 (plain "
+                f"{self._distnorm_name}: AMAT has no learning rate yet, so it uses eta=0 (plain "
                 "batch statistics). Call distnorm.set_lr(model, lr) with the optimizer's "
                 "current learning rate before each training step.",
                 stacklevel=3,
@@ -463,7 +469,7 @@ def set_lrs(layers: list["_CompleteNorm"], lrs: list[float | torch.Tensor]) -> N
             continue
         key = (id(lr), layer.omega)
         if key not in etas:
-            etas[key] = functional.amat_eta(_checked_lr(lr, layer._layer_name()), layer.omega)
+            etas[key] = functional.amat_eta(_checked_lr(lr, layer._distnorm_name), layer.omega)
         layer.lr = lr
         layer._set_eta(etas[key])
 

@@ -47,7 +47,7 @@ CUDA_ONLY = {
 
 
 def _cpu_twin() -> Any:
-    import distnorm._functions  # noqa: F401  (declares the distnorm operators)
+    import distnorm._ops  # noqa: F401  (declares the distnorm operators)
 
     return torch.ops.distnorm.batch_norm_backward_elemt.default
 

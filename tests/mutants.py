@@ -79,10 +79,10 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "extra-broadcast",
         "one all-reduce forward, one backward, nothing else",
-        "distnorm/_collectives.py",
+        "distnorm/_moments.py",
         '    all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype))\n',
         '    all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype)); '
-        "broadcast_from_first([packed], group)\n",
+        "__import__('distnorm')._collectives.broadcast_from_first([packed], group)\n",
         (f"{LD}::test_one_collective_forward_one_backward",),
     ),
     Mutant(
@@ -96,7 +96,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "empty-rank-statistics",
         "a rank with an empty batch joins the collectives and contributes nothing (no hang, no NaN)",
-        "distnorm/_collectives.py",
+        "distnorm/_moments.py",
         "    packed = _packed(local_moments(x, cpu_kernel) if local_count > 0 else None, local_count, channels, x.device)\n",
         "    packed = _packed(local_moments(x, cpu_kernel), local_count, channels, x.device)\n",
         (f"{LD}::test_empty_rank_joins_and_contributes_nothing[cbn]",
@@ -105,7 +105,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "all-empty-guard",
         "a rank with an empty batch joins the collectives and contributes nothing (no NaN): every rank empty",
-        "distnorm/_collectives.py",
+        "distnorm/_moments.py",
         "    ratios = packed / (count if local_count > 1 else count.clamp_min(1.0))  # [mean, E[x^2], 1]\n",
         "    ratios = packed / count  # [mean, E[x^2], 1]\n",
         (f"{LD}::test_every_rank_empty_changes_nothing",),
@@ -124,7 +124,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cbn-backward-count",
         "CBN matches the float64 reference, 2 ranks equal 1 process (a wrong count in the backward)",
-        "distnorm/_fused.py",
+        "distnorm/_composite.py",
         "    return torch.stack([r_mu, q, w, to_dtype(count, q.dtype)]).view(2, 2, -1)\n",
         "    return torch.stack([r_mu, q, w, to_dtype(count, q.dtype) - 1.0]).view(2, 2, -1)\n",
         (f"{LD}::test_two_ranks_equal_one_process[NC-cbn]",),
@@ -132,7 +132,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "amat-blend-reversed",
         "CBN matches the float64 reference (AMAT's eta weighs the history)",
-        "distnorm/_fused.py",
+        "distnorm/_composite.py",
         "    var_u = torch.lerp(var_b, var_a, eta)\n",
         "    var_u = torch.lerp(var_a, var_b, eta)\n",
         ("tests/test_layers.py::test_cbn_matches_reference[shape0]",),
@@ -140,7 +140,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "ratio-guard-dropped",
         "CBN matches the float64 reference (mu_U / mu_B used only where meaningful)",
-        "distnorm/_fused.py",
+        "distnorm/_composite.py",
         "    meaningful = (ratio > 0) & (torch.addcmul(var_x, mu_b, mu_b, value=-100.0) < -eps)\n",
         "    meaningful = ratio > 0\n",
         ("tests/test_layers.py::test_cbn_ratio_guard_and_clamp_only_change_gradients",),
@@ -164,7 +164,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-takes-other-devices",
         "The fused operators' CUDA (Triton) kernels get only tensors on their device (a CPU eta stays with the composite)",
-        "distnorm/_fused.py",
+        "distnorm/_kernels.py",
         "    return all(t is None or t.device == first.device for t in others)\n",
         "    return True\n",
         ("tests/test_fused.py::test_triton_takes_only_tensors_on_the_statistics_device",),
@@ -172,7 +172,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-failure-falls-back",
         "A Triton that cannot run here is an error, not a fallback to the composite",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         '        return _FAILED, f"{type(err).__name__}: {err}"\n',
         '        return _OFF, f"{type(err).__name__}: {err}"\n',
         ("tests/test_fused.py::test_a_triton_that_cannot_run_is_an_error_not_a_fallback",),
@@ -180,7 +180,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-probe-compares-nothing",
         "A Triton whose kernels compute something else here is refused like one that cannot build",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         "        if not torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6):\n",
         "        if False:\n",
         ("tests/test_fused.py::test_kernels_that_compute_something_else_here_are_refused",),
@@ -188,8 +188,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-mode-unchecked",
         "triton_state says which kernels run and why (an unknown DISTNORM_TRITON is an error)",
-        "distnorm/_fused.py",
-        "    if mode not in _MODES:\n",
+        "distnorm/_kernel_choice.py",
+        "    if mode not in _kernels.MODES:\n",
         "    if False:\n",
         ("tests/test_fused.py::test_triton_state_says_which_kernels_run_and_why",),
     ),
@@ -212,7 +212,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-chosen-per-process",
         "every rank takes the same arithmetic path: whether Triton runs is agreed by the group",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         "    if triton_decision(group, device):\n",
         "    if triton_decision(group, device) or triton_decision(None, device):\n",
         (f"{LD}::test_ranks_that_differ_on_triton_agree_on_the_composite",),
@@ -220,7 +220,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "triton-failure-raised-on-one-rank",
         "a rank whose Triton fails makes every rank raise (no rank left waiting in a collective)",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         "    if failed:\n",
         "    if verdict == _FAILED:\n",
         (f"{LD}::test_a_rank_whose_triton_fails_makes_every_rank_raise",),
@@ -261,8 +261,8 @@ MUTANTS: list[Mutant] = [
         "fusion-bypassed",
         "CBN's per-channel step is one operator (launch cost: CBN <= 20 ops per layer-step)",
         "distnorm/_functions.py",
-        "    plan = NormPlan(*torch.ops.distnorm.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,\n",
-        "    plan = NormPlan(*_fused.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,\n",
+        "    plan = NormPlan(*_ops.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,\n",
+        "    plan = NormPlan(*_ops._kernels.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,\n",
         ("tests/test_step_cost.py::test_dispatched_ops_and_host_syncs_per_step",),
     ),
     Mutant(
@@ -277,8 +277,8 @@ MUTANTS: list[Mutant] = [
         "bnp-local-moments",
         "BNP moments from all-reduced statistics: 2 ranks equal 1 process",
         "distnorm/_bnp_functions.py",
-        "    moments = _fused.synced_moments(h, state.group(), f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
-        "    moments = _fused.synced_moments(h, None, f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
+        "    moments = _kernel_choice.synced_moments(h, state.group(), f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
+        "    moments = _kernel_choice.synced_moments(h, None, f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
         ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
     ),
     # ------------------------------------------------------------ kernel contracts, host syncs
@@ -358,7 +358,7 @@ MUTANTS: list[Mutant] = [
         "compiled-reads-updated-buffers",
         "compiled CBN equals eager (the backward never reads buffers the step updated)",
         "distnorm/_traced.py",
-        "    amat_before = snapshot(list(buffers[:3])) if state.amat else None\n",
+        "    amat_before = _ops.snapshot(list(buffers[:3])) if state.amat else None\n",
         "    amat_before = None\n",
         ("tests/test_compile.py::test_compile_equals_eager",),
     ),
@@ -374,7 +374,7 @@ MUTANTS: list[Mutant] = [
         "captured-init-from-the-host",
         "a captured CUDA graph replays the right branch at every step (the AMAT initialisation checked on the device)",
         "distnorm/_functions.py",
-        "    replayed = _collectives.capturing(x.device)\n",
+        "    replayed = _capture.capturing(x.device)\n",
         "    replayed = False\n",
         ("tests/test_compile.py::test_a_captured_step_dispatches_the_same_ops_whatever_the_values",),
     ),
@@ -1020,8 +1020,8 @@ MUTANTS: list[Mutant] = [
         "loaded-bnp-state-unregistered",
         "converted models save whole: torch.save / pickle / deepcopy, every norm, BNP off and on",
         "distnorm/bnp.py",
-        "    if bnp_state is not None:\n        _functions.register(bnp_state, channels=module.bnp_mean.numel())",
-        "    if bnp_state is None:\n        _functions.register(bnp_state, channels=module.bnp_mean.numel())",
+        "    if bnp_state is not None:\n        _state.register(bnp_state, channels=module.bnp_mean.numel())",
+        "    if bnp_state is None:\n        _state.register(bnp_state, channels=module.bnp_mean.numel())",
         ("tests/test_convert.py::test_converted_models_save_pickle_and_deepcopy_whole[zoo:resnet20]",),
     ),
     # ----------------------------------------------- issue 39 (2): one object per engine
@@ -1143,7 +1143,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cpu-kernel-setting-not-voted",
         "every rank runs the same backward arithmetic: DISTNORM_CPU_KERNEL is agreed in the group's first step",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         "    off = device.type == \"cpu\" and cpu == _OFF\n",
         "    off = False\n",
         ("tests/test_fused.py::test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank",),
@@ -1176,8 +1176,8 @@ MUTANTS: list[Mutant] = [
         "bnp-kernel-only-without-a-group",
         "BNP's backward on the CPU runs the C kernel once the layer's group agreed on it",
         "distnorm/bnp.py",
-        "        cpu_kernel = not torch.compiler.is_compiling() and _fused.cpu_kernel_decision(state.group(), weight.device)\n",
-        "        cpu_kernel = not torch.compiler.is_compiling() and state.group() is None and _fused.cpu_kernel_decision(None, weight.device)\n",
+        "        cpu_kernel = not torch.compiler.is_compiling() and _kernel_choice.cpu_kernel_decision(state.group(), weight.device)\n",
+        "        cpu_kernel = not torch.compiler.is_compiling() and state.group() is None and _kernel_choice.cpu_kernel_decision(None, weight.device)\n",
         ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
     ),
     Mutant(
@@ -1199,9 +1199,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "bnp-kernel-shapes-unchecked",
         "BNP's C kernel refuses arguments that do not match before it reads them",
-        "distnorm/_functions.py",
-        "    _bnp_functions.check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)\n",
-        "    pass\n",
+        "distnorm/_cpu_kernels.py",
+        "    check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)\n    dtype = grad_weight.dtype\n",
+        "    dtype = grad_weight.dtype\n",
         ("tests/test_bnp.py::test_the_cpu_kernel_refuses_what_does_not_match",),
     ),
     Mutant(
@@ -1215,7 +1215,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "backward-sums-unscaled",
         "CBN matches the float64 reference, 2 ranks equal 1 process (the backward's sums scaled by r_mu and q before the all-reduce)",
-        "distnorm/_fused.py",
+        "distnorm/_composite.py",
         "    sums = grad_coef[0] * torch.stack([s1, t])\n",
         "    sums = torch.stack([s1, t])\n",
         ("tests/test_layers.py::test_cbn_matches_reference[shape0]",),
@@ -1255,7 +1255,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cpu-kernel-built-at-first-use",
         "no rank is left waiting: a rank whose C kernels cannot be built is named by every rank at the group's first step",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         "        _cpu_kernels.library()\n",
         "        pass\n",
         ("tests/test_fused.py::test_a_rank_without_a_c_compiler_is_named_by_every_rank_at_the_first_step",),
@@ -1263,7 +1263,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cpu-kernel-agreement-not-kept",
         "synchronized CPU layers run the C kernels once their group agreed on them",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         "        _CPU_KERNEL_AGREED[group] = cpu_kernel_off == 0\n",
         "        _CPU_KERNEL_AGREED[group] = False\n",
         ("tests/test_fused.py::test_synchronized_layers_run_the_c_kernels_once_the_group_agreed",),
@@ -1281,7 +1281,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "kernel-vote-holds-its-groups",
         "a distnorm script exits cleanly after destroy_process_group: no distnorm cache keeps a destroyed group alive",
-        "distnorm/_fused.py",
+        "distnorm/_kernel_choice.py",
         '_AGREED: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, TritonState]]" = weakref.WeakKeyDictionary()\n',
         '_AGREED: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, TritonState]]" = {}\n',
         ("tests/test_exit.py::test_no_distnorm_cache_keeps_a_destroyed_group_alive",),

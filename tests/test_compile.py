@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import distnorm
-from distnorm import _fused
+from distnorm import _kernel_choice
 from tests.distributed import run_distributed
 from tests.mixed import STEPS, assert_states_close, batch, mixed_model, train_state
 
@@ -396,12 +396,12 @@ def test_a_captured_step_dispatches_the_same_ops_whatever_the_values(monkeypatch
     """A CUDA graph replays the kernels its capture recorded, so a captured step must issue
     the same kernels at every step: before and after the AMAT buffers initialise, with
     ``eta`` 0 or not. Here the layers take the decisions they take while captured
-    (``_collectives.capturing`` answers True, as ``torch.cuda.is_current_stream_capturing``
+    (``_capture.capturing`` answers True, as ``torch.cuda.is_current_stream_capturing``
     would), and every step of AMAT's phases dispatches the same ops, with outputs, gradients
     and buffers equal to the eager steps' (the history path at ``eta = 0`` gives the batch
     statistics). Bugs caught: the host's ``history`` / ``amat_ready`` choosing the kernels or
     their arguments, so a graph captured at one step replays the wrong branch at another."""
-    from distnorm import _collectives
+    from distnorm import _capture
 
     torch.manual_seed(0)
     replayed, eager = mixed_model(), mixed_model()
@@ -409,7 +409,7 @@ def test_a_captured_step_dispatches_the_same_ops_whatever_the_values(monkeypatch
         distnorm.set_lr(model, STEPS[0])
         model(batch(0)).sum().backward()
     fresh = mixed_model()  # and a model whose capture would come before the AMAT buffers' first update
-    monkeypatch.setattr(_collectives, "capturing", lambda device: True)
+    monkeypatch.setattr(_capture, "capturing", lambda device: True)
     op_lists = []
     for step, lr in enumerate(STEPS):
         for model in (replayed, eager, fresh):
@@ -417,9 +417,9 @@ def test_a_captured_step_dispatches_the_same_ops_whatever_the_values(monkeypatch
             model.zero_grad()
         op_lists.append(_step_ops(fresh, batch(step)))
         op_lists.append(_step_ops(replayed, batch(step)))
-        monkeypatch.setattr(_collectives, "capturing", lambda device: False)
+        monkeypatch.setattr(_capture, "capturing", lambda device: False)
         eager(batch(step)).square().mean().backward()
-        monkeypatch.setattr(_collectives, "capturing", lambda device: True)
+        monkeypatch.setattr(_capture, "capturing", lambda device: True)
         assert_states_close(train_state(replayed), train_state(eager), 1e-5)
     assert all(ops == op_lists[0] for ops in op_lists), [len(ops) for ops in op_lists]
 
@@ -429,9 +429,9 @@ def test_what_cannot_be_captured_is_refused_naming_what_works(monkeypatch):
     collective, or a step in debug mode cannot work: each raises one error that says why and
     what to do, from the layer's own call, instead of a CUDA error from inside the capture or
     a silently wrong replay."""
-    from distnorm import _collectives
+    from distnorm import _capture
 
-    capture = lambda on: monkeypatch.setattr(_collectives, "capturing", lambda device: on)  # noqa: E731
+    capture = lambda on: monkeypatch.setattr(_capture, "capturing", lambda device: on)  # noqa: E731
     dist, previous = _one_rank_group()
     try:
         layer = distnorm.CBN(8)
@@ -506,7 +506,7 @@ def _cuda_graph_training(one_rank_group: bool) -> None:
         assert_states_close(train_state(model), train_state(twin), 1e-4)
     _collectives.check_frames()
     if one_rank_group:
-        assert _fused.triton_state(torch.distributed.group.WORLD, "cuda").used
+        assert _kernel_choice.triton_state(torch.distributed.group.WORLD, "cuda").used
 
 
 def _reduce_overhead_training(one_rank_group: bool) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distnorm
-from distnorm import _functions, models
+from distnorm import _state, models
 from distnorm.convert import ACTIVATION_MODULES, BATCH_NORMS, NORMS, PreNorm
 from tests.distributed import run_distributed
 
@@ -357,7 +357,7 @@ def _assert_own_state(model: nn.Module, twin: nn.Module, how: str) -> None:
             state, twin_state = a.__dict__.get(attr), b.__dict__.get(attr)
             if state is None:
                 continue
-            assert twin_state is not state and _functions._STATES.get(twin_state.key) is twin_state, (how, name)
+            assert twin_state is not state and _state._STATES.get(twin_state.key) is twin_state, (how, name)
             assert not twin_state.stash._entries and twin_state.pending is None, (how, name)
 
 

@@ -5,7 +5,7 @@ sharing it), an NCCL world of one rank that keeps its collectives (the test swit
 frames' deferred check (pinned copies, event polling). Skipped cleanly on machines without
 CUDA (as on CI); the same assertions as the CPU tests, with float32 tolerances where the GPU
 kernels accumulate differently. The group cases have 8 channels, more than the kernel
-vote's entries (``_fused._VOTE_ENTRIES``), so their group agrees on Triton, and they count
+vote's entries (``_kernel_choice._VOTE_ENTRIES``), so their group agrees on Triton, and they count
 the Triton kernels that ran. Every CUDA test is marked ``cuda`` (what ``make test-gpu``
 selects); the tests here without it are CPU twins, which run in ``make test`` and check the
 same comparison on the CPU."""
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distnorm
-from distnorm import _collectives, _frames, _fused
+from distnorm import _collectives, _frames, _kernel_choice
 from distnorm import functional as F
 from tests import reference as ref
 from tests.distributed import run_distributed
@@ -103,9 +103,9 @@ def test_cuda_cbn_matches_reference_over_steps():
 
 
 #: Channels of the group cases: more than the entries of the group's kernel vote
-#: (``_fused._VOTE_ENTRIES``), so that the group agrees on its kernels and runs Triton on a GPU.
+#: (``_kernel_choice._VOTE_ENTRIES``), so that the group agrees on its kernels and runs Triton on a GPU.
 C = 8
-assert C > _fused._VOTE_ENTRIES
+assert C > _kernel_choice._VOTE_ENTRIES
 KINDS = ("cbn", "popnorm", "syncbn")
 GAMMA = torch.linspace(0.7, 1.3, C, dtype=torch.float64)
 BETA = torch.linspace(-0.4, 0.2, C, dtype=torch.float64)
@@ -142,7 +142,7 @@ def _expects_triton(device: torch.device) -> bool:
     expected all the same, so the test fails, naming why, where the layers raise. (On the
     CPU: under ``DISTNORM_TRITON=interpret`` only.) Probes each kernel once, here: before
     any launch is counted."""
-    return _fused._local_verdict(device)[0] != _fused._OFF
+    return _kernel_choice._local_verdict(device)[0] != _kernel_choice._OFF
 
 
 def _counting(device: torch.device, count: bool) -> contextlib.AbstractContextManager:
@@ -230,7 +230,7 @@ def _split_batch_worker(rank: int, world: int, splits: list[int], device: str,
                 torch.testing.assert_close(buffers[name].double(), value, **close)
         out.update({f"{kind}/{dtype}/{name}": value for name, value in buffers.items()})
     if triton:
-        assert _fused.triton_state(dist.group.WORLD, dev) == (True, ""), _fused.triton_state(dist.group.WORLD, dev)
+        assert _kernel_choice.triton_state(dist.group.WORLD, dev) == (True, ""), _kernel_choice.triton_state(dist.group.WORLD, dev)
     return out
 
 
@@ -319,7 +319,7 @@ def _one_rank_worker(rank: int, world: int, device: str) -> dict[str, float]:
         _collectives.keep_one_rank_groups(True)
     _frames.check_pending()  # every frame's header, compared once it arrived: none differed
     if triton:
-        assert _fused.triton_state(dist.group.WORLD, dev) == (True, ""), _fused.triton_state(dist.group.WORLD, dev)
+        assert _kernel_choice.triton_state(dist.group.WORLD, dev) == (True, ""), _kernel_choice.triton_state(dist.group.WORLD, dev)
     return dict(worst)
 
 

@@ -24,10 +24,10 @@ def _slot_mismatch_worker(rank, world):
     model = nn.Sequential(distnorm.CBN(4), distnorm.CBN(4))
     distnorm.set_lr(model, 0.01)  # also records layer names
     x = torch.randn(8, 4, requires_grad=True)
-    # rank 1 skips the first layer: both ranks reach the same collective slot from
-    # different layers, which without debug mode would silently mix their statistics.
+    # rank 1 skips the first layer: both ranks reach the same collective from different
+    # layers; the frames name both at that collective.
     run = (lambda: model(x)) if rank == 0 else (lambda: model[1](x))
-    return _expect(distnorm.CollectiveMismatchError, "different places", run)
+    return _expect(distnorm.CollectiveMismatchError, "different layers", run)
 
 
 def _shape_mismatch_worker(rank, world):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import distnorm
-from distnorm import _collectives, _frames, _fused, _release
+from distnorm import _collectives, _frames, _kernel_choice, _release
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,7 +141,7 @@ def _workers_left_after_destroy(rank: int, world_size: int) -> int:
                                                  torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8)), norm="cbn")
     model(torch.randn(4, 3, 10, 10)).sum().backward()
     distnorm.check_consistency(model, parameters=True)
-    assert _fused.triton_state(dist.group.WORLD, "cpu") is _fused._agreed(dist.group.WORLD, "cpu"), "no vote held"
+    assert _kernel_choice.triton_state(dist.group.WORLD, "cpu") is _kernel_choice._agreed(dist.group.WORLD, "cpu"), "no vote held"
     assert _gloo_workers() > 0
     del model
     dist.destroy_process_group()
@@ -152,7 +152,7 @@ def _workers_left_after_destroy(rank: int, world_size: int) -> int:
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(120)
 def test_no_distnorm_cache_keeps_a_destroyed_group_alive(tmp_path):
-    """Bug caught: the fused operators' kernel vote kept every group it saw (``_fused._AGREED``
+    """Bug caught: the fused operators' kernel vote kept every group it saw (``_kernel_choice._AGREED``
     held the group object), so destroy_process_group never destroyed the default group and
     gloo's worker threads ran on into interpreter shutdown, where the abort above waits."""
     assert run_distributed(_workers_left_after_destroy, 2, tmp_path) == [0, 0]

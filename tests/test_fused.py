@@ -5,7 +5,7 @@ ATen composite (the CPU path, itself checked against float64 references in
 operators are well-formed for ``torch.compile``.
 
 The Triton kernels run here through Triton's interpreter on CPU tensors (a second copy of
-``distnorm/_triton.py`` loaded with ``TRITON_INTERPRET=1``: :func:`distnorm._fused.interpreted_kernels`);
+``distnorm/_triton.py`` loaded with ``TRITON_INTERPRET=1``: :func:`distnorm._kernels.interpreted_kernels`);
 on a GPU, the same comparison runs compiled (``make test-gpu``). The group's agreement on
 the kernels (every rank takes the same path) is tested with real ranks in
 ``test_layers_distributed.py``.
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import distnorm
-from distnorm import _cpu_kernels, _fused
+from distnorm import _composite, _cpu_kernels, _kernel_choice, _kernels
 
 C = 70  # not a power of two: the last block is partial
 
@@ -92,12 +92,12 @@ def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 def triton_launches(device: torch.device | str) -> Iterator[collections.Counter]:
     """Counts, by name, the launches of distnorm's Triton kernels (``cbn_plan``,
     ``backward_sums``) in the kernel module the fused operators run for ``device`` in this
-    process (:func:`distnorm._fused._kernels_for`: the compiled :mod:`distnorm._triton` for
+    process (:func:`distnorm._kernels.kernels_for`: the compiled :mod:`distnorm._triton` for
     CUDA tensors, the interpreted copy under ``DISTNORM_TRITON=interpret``). Each launch is a
     ``KERNELS[name][grid](...)``: the kernels are wrapped there, launched as before, and put
     back afterwards. Used by the GPU tests (here and ``test_cuda.py``) to assert the kernel
     that ran, not only the values."""
-    kernels, why = _fused._kernels_for(torch.device(device))
+    kernels, why = _kernels.kernels_for(torch.device(device))
     assert kernels is not None, f"no Triton kernels for {device} here: {why}"
     counts: collections.Counter = collections.Counter()
 
@@ -126,7 +126,7 @@ def interpreted():
     run by Triton's interpreter on CPU tensors."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("needs triton (installed with torch on Linux)")
-    return _fused.interpreted_kernels()
+    return _kernels.interpreted_kernels()
 
 
 def _run_plan_kernel(triton_module, args: tuple) -> tuple:
@@ -142,7 +142,7 @@ def test_triton_plan_kernel_equals_composite(interpreted, case):
     buffer updates), a masked step that still writes, a counter or flag not updated."""
     args = _plan_args(**CASES[case])
     composite_args, kernel_args = _clone(args), _clone(args)
-    want = _fused.cbn_plan_composite(*composite_args)
+    want = _composite.cbn_plan_composite(*composite_args)
     got = _run_plan_kernel(interpreted, kernel_args)
     _assert_close(list(got) + kernel_args[BUFFERS], list(want) + composite_args[BUFFERS])
     if CASES[case].get("masked"):  # an all-empty global batch changes no buffer
@@ -158,7 +158,7 @@ def test_cpu_plan_kernel_equals_composite(case):
     counter or flag not updated, the case not taken at all."""
     args = _plan_args(**CASES[case])
     composite_args, kernel_args = _clone(args), _clone(args)
-    want = _fused.cbn_plan_composite(*composite_args)
+    want = _composite.cbn_plan_composite(*composite_args)
     calls = []
     original = _cpu_kernels.cbn_plan
     with pytest.MonkeyPatch.context() as patch:
@@ -185,14 +185,14 @@ def test_cpu_backward_kernel_equals_composite():
     swapped or mis-scaled gradient or sum, ``w`` or the count not copied (the count truncated
     as ``.to(int32)``)."""
     args = _backward_args()
-    _assert_close(torch.ops.distnorm.backward_sums(*args, "cpu"), _fused.backward_sums_composite(*args))
+    _assert_close(torch.ops.distnorm.backward_sums(*args, "cpu"), _composite.backward_sums_composite(*args))
 
 
 def test_cpu_kernels_read_strided_arguments():
     """Bug caught: the C kernel took the pointers of temporary ``.contiguous()`` copies that
     were freed before the call, so a strided argument (the folded stem passed gamma's sums as
     a diagonal) was read from freed memory: gradients of 1e25. (``cbn_plan``'s C kernel
-    takes contiguous statistics only, ``_fused.cbn_plan``; it holds its copies the same way.)"""
+    takes contiguous statistics only, ``_kernels.cbn_plan``; it holds its copies the same way.)"""
     def strided(v: torch.Tensor) -> torch.Tensor:  # the same values, every other element of a larger tensor
         wide = torch.full((*v.shape[:-1], 2 * v.shape[-1]), float("nan"))
         wide[..., ::2] = v
@@ -202,7 +202,7 @@ def test_cpu_kernels_read_strided_arguments():
     views = tuple(strided(v) if isinstance(v, torch.Tensor) else v for v in args)
     assert not any(v.is_contiguous() for v in views if isinstance(v, torch.Tensor))
     for _ in range(3):  # freed memory is reused by the next allocations: garbage, not always at once
-        _assert_close(torch.ops.distnorm.backward_sums(*views, "cpu"), _fused.backward_sums_composite(*args))
+        _assert_close(torch.ops.distnorm.backward_sums(*views, "cpu"), _composite.backward_sums_composite(*args))
 
 
 def test_triton_backward_kernel_equals_composite(interpreted):
@@ -215,9 +215,9 @@ def test_triton_backward_kernel_equals_composite(interpreted):
 def fresh_verdicts():
     """This process's Triton verdicts forgotten before and after (they are kept per mode and
     device for the life of a process)."""
-    _fused._verdict.cache_clear()
+    _kernel_choice._verdict.cache_clear()
     yield
-    _fused._verdict.cache_clear()
+    _kernel_choice._verdict.cache_clear()
 
 
 def _cbn_step(layer: torch.nn.Module, step: int) -> torch.Tensor:
@@ -236,12 +236,12 @@ def test_a_triton_that_cannot_run_is_an_error_not_a_fallback(monkeypatch, fresh_
     tensors on a machine without a GPU driver, in place of the interpreted copy."""
     pytest.importorskip("triton")
     monkeypatch.setenv("DISTNORM_TRITON", "interpret")
-    monkeypatch.setattr(_fused, "interpreted_kernels", lambda: importlib.import_module("distnorm._triton"))
+    monkeypatch.setattr(_kernels, "interpreted_kernels", lambda: importlib.import_module("distnorm._triton"))
     layer = distnorm.CBN(6)
     distnorm.set_lr(layer, 0.01)
     with pytest.raises(RuntimeError, match=r"cannot run here: .*DISTNORM_TRITON=0 on every rank"):
         _cbn_step(layer, 0)
-    state = _fused.triton_state(device="cpu")
+    state = _kernel_choice.triton_state(device="cpu")
     assert not state.used and state.reason.startswith("Triton failed here: ")
     assert int(layer.num_batches_tracked) == 0  # raised before the step changed anything
     with pytest.raises(RuntimeError, match="cannot run here"):  # and again: no switch to the composite
@@ -255,12 +255,12 @@ def test_kernels_that_compute_something_else_here_are_refused(tmp_path, monkeypa
     compiled them) is refused like one that cannot build. The kernels here: this module's
     with the output scale 1 % off (a real Triton kernel, run by the interpreter)."""
     pytest.importorskip("triton")
-    source = Path(_fused.__file__).with_name("_triton.py").read_text()
+    source = Path(_kernels.__file__).with_name("_triton.py").read_text()
     assert source.count("        a = invstd * gamma\n") == 1
     (tmp_path / "_triton.py").write_text(source.replace("        a = invstd * gamma\n", "        a = invstd * gamma * 1.01\n"))
-    off = _fused.load_interpreted(tmp_path / "_triton.py", "distnorm_triton_off_by_one_percent")
+    off = _kernels.load_interpreted(tmp_path / "_triton.py", "distnorm_triton_off_by_one_percent")
     monkeypatch.setenv("DISTNORM_TRITON", "interpret")
-    monkeypatch.setattr(_fused, "interpreted_kernels", lambda: off)
+    monkeypatch.setattr(_kernels, "interpreted_kernels", lambda: off)
     layer = distnorm.CBN(6)
     distnorm.set_lr(layer, 0.01)
     with pytest.raises(RuntimeError, match=r"cannot run here: RuntimeError: the Triton kernels differ from the ATen "
@@ -269,20 +269,20 @@ def test_kernels_that_compute_something_else_here_are_refused(tmp_path, monkeypa
 
 
 def test_triton_state_says_which_kernels_run_and_why(monkeypatch, fresh_verdicts):
-    """What the GPU report prints (:func:`distnorm._fused.triton_state`). Bug caught: a
+    """What the GPU report prints (:func:`distnorm._kernel_choice.triton_state`). Bug caught: a
     setting that is not understood (``DISTNORM_TRITON=off``) taken for the default."""
-    assert _fused.triton_state(device="cpu") == (False, _fused._kernels_for(torch.device("cpu"))[1])
-    assert "cpu tensors" in _fused.triton_state(device="cpu").reason
+    assert _kernel_choice.triton_state(device="cpu") == (False, _kernels.kernels_for(torch.device("cpu"))[1])
+    assert "cpu tensors" in _kernel_choice.triton_state(device="cpu").reason
     monkeypatch.setenv("DISTNORM_TRITON", "0")
-    assert _fused.triton_state(device="cpu") == (False, "DISTNORM_TRITON=0")
+    assert _kernel_choice.triton_state(device="cpu") == (False, "DISTNORM_TRITON=0")
     monkeypatch.setenv("DISTNORM_TRITON", "off")
-    state = _fused.triton_state(device="cpu")
+    state = _kernel_choice.triton_state(device="cpu")
     assert not state.used and "DISTNORM_TRITON='off' is not one of 1, 0, interpret" in state.reason
     with pytest.raises(RuntimeError, match="DISTNORM_TRITON='off' is not one of"):
         _cbn_step(distnorm.POPNorm(6), 0)
     if importlib.util.find_spec("triton") is not None:
         monkeypatch.setenv("DISTNORM_TRITON", "interpret")
-        assert _fused.triton_state(device="cpu") == (True, "")
+        assert _kernel_choice.triton_state(device="cpu") == (True, "")
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
@@ -302,7 +302,7 @@ def test_layers_through_the_interpreted_kernels_equal_the_composite(interpreted,
             for layer in group:
                 distnorm.set_lr(layer, lr)
                 if mode == "interpret":
-                    assert _fused.triton_decision(None, torch.device("cpu"))  # probed here, outside the count
+                    assert _kernel_choice.triton_decision(None, torch.device("cpu"))  # probed here, outside the count
                     with triton_launches("cpu") as launches:
                         results[mode].append(_cbn_step(layer, step))
                     assert launches == {"cbn_plan": 1, "backward_sums": 1}, (step, type(layer).__name__, launches)
@@ -317,10 +317,10 @@ def test_triton_takes_only_tensors_on_the_statistics_device():
     the CUDA kernel as a pointer. (``meta`` stands in for the CUDA device.)"""
     meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
     mean, buffers = meta(C), [meta(C), meta(C), meta(()), meta(C), meta(C), meta(())]
-    assert _fused._on_one_device(mean, None, *buffers, meta(C), meta(()))
-    assert not _fused._on_one_device(mean, None, *buffers, torch.tensor(0.5))
-    assert _fused._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), meta(())], buffers)
-    assert not _fused._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), torch.tensor(0.5)], buffers)
+    assert _kernels._on_one_device(mean, None, *buffers, meta(C), meta(()))
+    assert not _kernels._on_one_device(mean, None, *buffers, torch.tensor(0.5))
+    assert _kernels._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), meta(())], buffers)
+    assert not _kernels._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), torch.tensor(0.5)], buffers)
 
 
 def test_operators_are_well_formed_for_torch_compile():
@@ -343,13 +343,13 @@ def test_cuda_fused_operators_equal_composite(case):
     fails, naming why. Bugs caught: a kernel's formula that differs on the GPU; a case the
     operator hands to the composite instead of the kernel; before, a Triton that failed here
     made this test a skip (gpu-reading-2026-11-28, finding 6)."""
-    verdict, reason = _fused._local_verdict(torch.device("cuda"))  # probes each kernel once, outside the count
-    if verdict == _fused._OFF:
+    verdict, reason = _kernel_choice._local_verdict(torch.device("cuda"))  # probes each kernel once, outside the count
+    if verdict == _kernel_choice._OFF:
         pytest.skip(f"Triton is off here: {reason}")
-    assert verdict == _fused._OK, f"distnorm's Triton kernels cannot run on this GPU: {reason}"
+    assert verdict == _kernel_choice._OK, f"distnorm's Triton kernels cannot run on this GPU: {reason}"
     args = _plan_args(**CASES[case], device="cuda")
     composite_args, op_args = _clone(args), _clone(args)
-    want = _fused.cbn_plan_composite(*composite_args)
+    want = _composite.cbn_plan_composite(*composite_args)
     backward = _backward_args("cuda")
     with triton_launches("cuda") as launches:
         got = torch.ops.distnorm.cbn_plan(*_op_args(op_args, "triton"))
@@ -357,7 +357,7 @@ def test_cuda_fused_operators_equal_composite(case):
     assert launches == {"cbn_plan": 1, "backward_sums": 1}, launches
     _assert_close([x.cpu() for x in list(got) + op_args[BUFFERS]],
                   [x.cpu() for x in list(want) + composite_args[BUFFERS]])
-    _assert_close(got_backward, _fused.backward_sums_composite(*backward))
+    _assert_close(got_backward, _composite.backward_sums_composite(*backward))
 
 
 # ------------------------------------------- the backward's element-wise pass (one kernel)

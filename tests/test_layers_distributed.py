@@ -287,13 +287,13 @@ def _same_arithmetic_worker(rank, world, modes, monitor_rank=None, break_rank=No
     import os
     import warnings
 
-    from distnorm import _fused
+    from distnorm import _kernel_choice, _kernels
     from distnorm.monitors import TheoryMonitor
 
     os.environ["DISTNORM_TRITON"] = modes[rank]
     os.environ["DISTNORM_CPU_KERNEL"] = cpu_kernel
     if rank == break_rank:
-        _fused.interpreted_kernels = lambda: importlib.import_module("distnorm._triton")
+        _kernels.interpreted_kernels = lambda: importlib.import_module("distnorm._triton")
     model = _arithmetic_model()
     ddp = nn.parallel.DistributedDataParallel(model, **distnorm.ddp_kwargs())
     monitor = TheoryMonitor(model, every=2) if rank == monitor_rank else None
@@ -315,7 +315,7 @@ def _same_arithmetic_worker(rank, world, modes, monitor_rank=None, break_rank=No
                 monitor.after_backward(step)
                 records += monitor.records(step)
             opt.step()
-    return {"buffers": _buffers(model), "state": tuple(_fused.triton_state()), "records": records,
+    return {"buffers": _buffers(model), "state": tuple(_kernel_choice.triton_state()), "records": records,
             "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]}
 
 

@@ -152,37 +152,62 @@ def test_the_core_layers_sit_below_specs_builders_and_bnp():
     assert "distnorm._functions" not in graph["distnorm._bnp_functions"]
 
 
-def test_a_layer_step_walks_down_module_functional_operators_collectives():
-    """The path of a training step, in one direction: the layers call ``functional`` (never
-    the operators, no closure), ``functional`` the one operator module, which alone declares
-    operators (one ``torch.library.Library``) and calls the collectives and the kernels.
-    Bugs caught: the layers handing ``functional`` a closure over the operators (the code
-    before: layer -> functional -> back up into the layer's lambda -> _ops -> _functions);
-    operators declared in two modules (``_ops`` with ``custom_op``, ``_fused`` with a
-    ``Library``); an operator signature of 21 names."""
-    import inspect
+#: The rooms under the layers, from the ground up: each imports only rooms listed before it
+#: (and the package's leaves: errors, _release, _debug, _recompute, specs, settings).
+BASEMENT = ("_torch_floor", "_capture", "_constants", "_cpu_kernels", "_composite", "_kernels", "_ops", "_frames",
+            "_collectives", "_moments", "_kernel_choice", "_state", "_bnp_functions", "_traced", "_functions")
+LEAVES = {"distnorm.errors", "distnorm._release", "distnorm._debug", "distnorm._recompute", "distnorm.specs",
+          "distnorm.settings", "distnorm._triton"}
 
-    from distnorm import layers
 
+def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_no_room_imports_one_above_it_and_none_is_too_large():
+    """The basement under the layers in one direction: every room imports only the rooms below
+    it (``BASEMENT``), none imports the package back (its names load the layers, which sit
+    above: the package's lazy names are arrows here), and no module passes 600 lines. Bugs
+    caught: ``_functions`` importing ``distnorm`` for its torch check (an arrow back up to the
+    package, 8 upward edges in all); the statistics' module calling an operator declared
+    above it; ``_functions.py`` at 898 lines with five concerns."""
     graph, _ = _graph()
-    assert "distnorm.functional" in graph["distnorm.layers"]
-    assert not {"distnorm._functions", "distnorm._fused"} & graph["distnorm.layers"]
-    assert "distnorm._functions" in graph["distnorm.functional"]
-    assert {"distnorm._collectives", "distnorm._fused"} <= graph["distnorm._functions"]
-    assert not {"distnorm.functional", "distnorm.layers"} & graph["distnorm._functions"]
-    assert "distnorm._functions" not in graph["distnorm._fused"]
+    exports = {f"distnorm.{module or name}" for name, module in distnorm._EXPORTS.items()}
+    graph["distnorm"] |= exports  # the lazy names: what `distnorm.X` imports at first use
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    for i, room in enumerate(BASEMENT):
+        below = {f"distnorm.{r}" for r in BASEMENT[:i]} | LEAVES
+        assert graph[f"distnorm.{room}"] <= below, (room, graph[f"distnorm.{room}"] - below)
+    long = {path.relative_to(PACKAGE).as_posix(): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > 600}
+    assert long == {}
+
+
+def test_operators_are_called_only_through_the_room_that_declares_them():
+    """``distnorm._ops`` alone declares operators (one ``torch.library.Library``) and names
+    their overloads; every other room calls ``_ops.<name>``, so a room that calls an operator
+    imports the room that declares it and sits above it. Bugs caught: ``_collectives`` and
+    ``_bnp_functions`` calling ``torch.ops.distnorm.*`` declared above them (they worked only
+    because ``distnorm/__init__`` had imported the declaring module first)."""
+    graph, _ = _graph()
     for path in sorted(PACKAGE.rglob("*.py")):
-        declares = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
-                    and node.attr in ("Library", "custom_op") and ast.unparse(node.value) == "torch.library"]
-        assert len(declares) == (1 if path == PACKAGE / "_functions.py" else 0), path
-    tree = ast.parse(inspect.getsource(layers))
-    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Lambda)]  # no closure handed down
-    # the compiled path: traced below the operators' module, never back up into it
-    assert "distnorm._traced" in graph["distnorm._functions"]
-    assert not {"distnorm._functions", "distnorm.functional", "distnorm.layers"} & graph["distnorm._traced"]
-    for name in ("cbn_plan", "backward_sums"):
-        schema = getattr(torch.ops.distnorm, name).default._schema
-        assert len(schema.arguments) <= 8, schema
+        tree = ast.parse(path.read_text())
+        module = _module_name(path)
+        raw = [node.lineno for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and ast.unparse(node) == "torch.ops.distnorm"]
+        calls = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "_ops"]
+        if module == "distnorm._ops":
+            continue
+        assert raw == [], (module, raw)
+        if calls:
+            assert "distnorm._ops" in graph[module], module
 
 
 def test_specs_build_every_layer_and_convert_goes_through_them():

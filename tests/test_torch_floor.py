@@ -10,29 +10,29 @@ from pathlib import Path
 
 import pytest
 
-import distnorm
+from distnorm._torch_floor import TORCH_FLOOR, require_torch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("version", ["2.4.0", "2.4.0a0+git1234abc", "2.11.0+cu126", "2.14.1+cu130", "3.0.0", "10.1"])
 def test_supported_versions_pass(version):
-    distnorm._require_torch(version)
+    require_torch(version)
 
 
 @pytest.mark.parametrize("version", ["2.3.1", "2.3.0+cu121", "2.0.0", "1.13.1+cpu"])
 def test_older_versions_are_refused_with_the_fix(version):
     with pytest.raises(ImportError, match=re.escape(f"distnorm needs torch>=2.4 (found {version}): pip install 'torch>=2.4'")):
-        distnorm._require_torch(version)
+        require_torch(version)
 
 
 def test_unparsable_version_is_let_through():
-    distnorm._require_torch("unknown")
+    require_torch("unknown")
 
 
 def test_floor_is_the_one_pyproject_declares():
     (declared,) = re.findall(r'"torch>=(\d+)\.(\d+)"', (REPO / "pyproject.toml").read_text())
-    assert tuple(map(int, declared)) == distnorm._TORCH_FLOOR
+    assert tuple(map(int, declared)) == TORCH_FLOOR
 
 
 @pytest.mark.processes

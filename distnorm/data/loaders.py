@@ -45,7 +45,7 @@ import math
 import random
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import resource_sharer
 from types import TracebackType
 from typing import Any, Callable, Iterator, Sequence
@@ -54,10 +54,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from distnorm.data.bad_data import ClassOrderWatch, ErrorLog
 from distnorm.data.batches import BatchPool, BatchReturns
 from distnorm.data.index import ShardIndex, expand_urls
 from distnorm.data.tars import tarfile_to_samples
-from distnorm.data.specs import SKIP_HINT, TRANSFORM_PRESETS, DataError, LoaderSpec
+from distnorm.data.specs import TRANSFORM_PRESETS, DataError, LoaderSpec
 from distnorm.data.transforms import ImageTransform, batch_tensor, build_transform, spec_transform
 
 __all__ = [
@@ -71,9 +72,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_CONSECUTIVE_ERRORS = 100
-
 
 def _wds():
     try:
@@ -89,86 +87,7 @@ def _seed(*parts: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-@dataclass
-class _ErrorLog:
-    """Per-worker record of skipped data, shipped to the main process with each batch."""
-
-    on_error: str
-    pending: int = 0
-    consecutive: int = 0
-    messages: list[str] = field(default_factory=list)
-    failed_shards: set[str] = field(default_factory=set)
-
-    def failure(self, message: str, err: BaseException, reason: str | None = None) -> None:
-        """Raise, or count and log, ``message`` failing with ``err`` (described as ``reason``)."""
-        reason = str(err) if reason is None else reason
-        if self.on_error == "raise":
-            raise DataError(f"{message}: {reason}; {SKIP_HINT}") from err
-        self.pending += 1
-        self.consecutive += 1
-        if len(self.messages) < 20:
-            self.messages.append(f"{message}: {reason}")
-        logger.warning("skipping %s: %s", message, reason)
-        if self.consecutive > MAX_CONSECUTIVE_ERRORS:
-            raise DataError(f"more than {MAX_CONSECUTIVE_ERRORS} consecutive unreadable samples; last: {message}: {reason}") from err
-
-    def success(self) -> None:
-        self.consecutive = 0
-
-    def drain(self) -> tuple[int, list[str]]:
-        out = (self.pending, self.messages)
-        self.pending, self.messages = 0, []
-        return out
-
-    def tar_handler(self, err: BaseException) -> bool:
-        """WebDataset exception handler for shard-level failures (the URL is in err.args)."""
-        args = getattr(err, "args", ())
-        urls = [a for a in args if isinstance(a, str) and (".tar" in a or a.startswith("pipe:"))]
-        self.failed_shards.add(urls[-1] if urls else "?")
-        # The tar reader appends the stream and the URL to the error's args; the message names
-        # the shard already, so the reason is the first argument alone (not the tuple).
-        reason = args[0] if urls and len(args) > 1 and isinstance(args[0], str) else None
-        self.failure(f"shard {urls[-1] if urls else '?'}", err, reason)
-        return True
-
-
-class _ClassOrderWatch:
-    """Warns (once per worker) when a shard turns out to hold a single class or two: shards
-    written in class order (an ImageFolder cut into consecutive ranges, as tools other than
-    ``distnorm-shards`` do) leave every shuffle buffer with a handful of classes, and batch
-    statistics — what this project normalizes with — with a biased sample."""
-
-    MIN_SAMPLES = 64
-
-    def __init__(self, shuffle_buffer: int):
-        self.shuffle_buffer = shuffle_buffer
-        self.url, self.labels, self.count, self.warned = None, set(), 0, False
-
-    def passing(self, src: Iterator[dict]) -> Iterator[dict]:
-        """The samples of ``src``, each seen on its way (a pipeline stage)."""
-        for sample in src:
-            self.see(sample.get("__url__"), sample.get("cls"))
-            yield sample
-
-    def see(self, url: str, label: Any) -> None:
-        if url != self.url:
-            self._check()
-            self.url, self.labels, self.count = url, set(), 0
-        self.labels.add(label)
-        self.count += 1
-
-    def _check(self) -> None:
-        if self.warned or self.url is None or self.count < self.MIN_SAMPLES or len(self.labels) > 2:
-            return
-        self.warned = True
-        logger.warning(
-            "shard %s holds %d class(es) in %d samples: the shards look written in class order, so a "
-            "shuffle buffer of %d samples mixes only a few classes and batch statistics are biased. "
-            "Rewrite them with distnorm-shards (it writes samples in a seeded random order).",
-            self.url, len(self.labels), self.count, self.shuffle_buffer)
-
-
-def _decode(sample: dict, transform: Callable, log: _ErrorLog):
+def _decode(sample: dict, transform: Callable, log: ErrorLog):
     """``(image, label, key)`` or ``None`` (recorded in ``log``) for one raw sample.
 
     ``image`` is an :class:`ImageTransform`'s ``uint8`` pixels (normalized per batch by
@@ -224,11 +143,6 @@ def _pool(returns: BatchReturns | None) -> BatchPool | None:
     """This DataLoader worker's batch buffers (``None`` in the main process)."""
     info = get_worker_info()
     return None if returns is None or info is None else returns.pool(info.id)
-
-
-def _share(total: int, worker: int, workers: int) -> int:
-    """How many of ``total`` items worker ``worker`` of ``workers`` produces."""
-    return total // workers + (1 if worker < total % workers else 0)
 
 
 def _role_counts(total: int, skip: int, role: int, workers: int) -> tuple[int, int]:
@@ -313,8 +227,8 @@ class _TrainStream(IterableDataset):
             return
         stream_seed = _seed(self.seed, self.epoch)
         role_seed = _seed(self.seed, self.epoch, self.rank, role)
-        log = _ErrorLog(self.on_error)
-        watch = _ClassOrderWatch(self.shuffle_buffer)
+        log = ErrorLog(self.on_error)
+        watch = ClassOrderWatch(self.shuffle_buffer)
         demand = _Demand(needed=(skipped + remaining) * self.batch_size)
         def decode(src):
             # Augmentations draw from torch's RNG, seeded per sample: the stream is the same
@@ -534,7 +448,7 @@ class _EvalStream(IterableDataset):
         worker, workers = _worker()
         if workers != len(self.worker_urls):
             raise RuntimeError("eval loader planned for a different number of workers")
-        log = _ErrorLog(self.on_error)
+        log = ErrorLog(self.on_error)
         pool = _pool(self.returns)
 
         seen: dict[str, int] = {}

@@ -97,4 +97,4 @@ def _carry_in_checkpoints(plugin: DistNormPlugin, accelerator: Any) -> None:
 #: torch's DDP / FSDP or DeepSpeed's engine (registered by their own owners), and its optimizer
 #: wrapper has the ``param_groups`` the plugin follows; what is Accelerate's own is the
 #: checkpoint hook.
-ENGINE = register_engine(Engine(name="Accelerate", library="accelerate", checkpoint=_carry_in_checkpoints))
+ENGINE = register_engine(Engine(name="Accelerate", library="accelerate"))

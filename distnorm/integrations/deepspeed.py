@@ -144,6 +144,4 @@ ENGINE = register_engine(Engine(
     wrappers=_engine_types,
     follow=_follow_engine,
     partitioned=_zero3_partitioned,
-    checkpoint=client_state,
-    restore=restore,
 ))

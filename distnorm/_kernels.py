@@ -1,0 +1,177 @@
+"""The fused kernels of the per-channel operators, and which implementation a call runs.
+
+Each per-channel operator (``distnorm::cbn_plan``, ``distnorm::backward_sums``, declared in
+:mod:`distnorm._ops`) has three implementations: the ATen composite
+(:mod:`distnorm._composite`, the reference, on every device), one Triton kernel
+(:mod:`distnorm._triton`, CUDA) and one C kernel (:mod:`distnorm._cpu_kernels`, the CPU),
+the last two for the cases they take -- float32 accumulation, buffers of that dtype, a host
+count only when the batch is valid. The operator's last argument names the one the layer's
+group agreed on (:mod:`distnorm._kernel_choice`): the three are not bit-identical (``rsqrt``
+/ division rounding and FMA contraction differ by a few ulp), so every rank of a group runs
+the same one. A case a kernel does not take runs the composite, on every rank alike (the
+case reads shapes, dtypes and devices, which the ranks share).
+
+``DISTNORM_TRITON`` (read when a decision is made): ``1`` (default) Triton on CUDA where it
+works; ``0`` the composite everywhere; ``interpret`` the Triton kernels on every device, the
+CPU included, through Triton's interpreter (slow: to run the Triton path without a GPU, as
+the tests do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from distnorm import _cpu_kernels
+from distnorm._composite import backward_sums_composite, cbn_plan_composite
+
+__all__ = ["MODES", "backward_sums", "cbn_plan", "interpreted_kernels", "kernels_for", "load_interpreted", "mode"]
+
+
+#: The values of ``DISTNORM_TRITON``.
+MODES = ("1", "0", "interpret")
+
+
+def mode() -> str:
+    """``DISTNORM_TRITON`` as this process has it now (one of :data:`MODES` when valid)."""
+    return os.environ.get("DISTNORM_TRITON", "1").strip()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+@functools.cache
+def _compiled_kernels() -> tuple[ModuleType | None, str]:
+    """:mod:`distnorm._triton` and ``""``, or ``None`` and why Triton cannot be imported.
+    Loaded at the first decision for CUDA tensors (never on a CPU-only run) and remembered."""
+    try:
+        return importlib.import_module("distnorm._triton"), ""
+    except ImportError as err:
+        return None, f"triton cannot be imported ({err})"
+
+
+@functools.cache
+def interpreted_kernels() -> ModuleType:
+    """A second copy of :mod:`distnorm._triton` whose kernels run in Triton's interpreter (on
+    CPU tensors too): ``DISTNORM_TRITON=interpret``, and the tests."""
+    return load_interpreted(os.path.join(os.path.dirname(__file__), "_triton.py"))
+
+
+def load_interpreted(path: str | os.PathLike, name: str = "distnorm._triton_interpreted") -> ModuleType:
+    """The kernel module at ``path`` (:mod:`distnorm._triton`'s interface) with its kernels
+    in Triton's interpreter. Triton itself is imported first, normally: imported under
+    ``TRITON_INTERPRET=1`` its own helpers would become interpreted functions, which parts
+    it imports later (Triton 3.8's gluon, at the first launch) reject."""
+    importlib.import_module("triton")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with _env("TRITON_INTERPRET", "1"):  # read by @triton.jit when the kernels are defined
+        spec.loader.exec_module(module)
+    return module
+
+
+def kernels_for(device: torch.device) -> tuple[ModuleType | None, str]:
+    """The Triton kernels for tensors on ``device`` under ``DISTNORM_TRITON``, or ``None`` and
+    why there are none (a mode of ``0``, a CPU device, no Triton)."""
+    chosen = mode()
+    if chosen == "0":
+        return None, "DISTNORM_TRITON=0"
+    if chosen == "interpret":
+        try:
+            return interpreted_kernels(), ""
+        except ImportError as err:
+            return None, f"triton cannot be imported ({err})"
+    if device.type != "cuda":
+        return None, (f"{device.type} tensors: the ATen composite is their kernel "
+                      "(DISTNORM_TRITON=interpret runs the Triton kernels in Triton's interpreter)")
+    return _compiled_kernels()
+
+
+def _on_one_device(first: Tensor, *others: Optional[Tensor]) -> bool:
+    """Every tensor on ``first``'s device: a Triton kernel reads raw pointers, where ATen would
+    have accepted a CPU 0-dim tensor (a user's ``eta`` in the functional API) as a scalar."""
+    return all(t is None or t.device == first.device for t in others)
+
+
+def _launch(name: str, device: torch.device, call: Callable[[ModuleType], tuple]) -> tuple:
+    """``call(kernels)`` with the Triton kernels of ``device``. The group agreed on Triton
+    after each rank launched every kernel once, so an error here is one no probe could
+    foresee (a launch configuration of this step only): raised, never hidden by the
+    composite."""
+    kernels, why = kernels_for(device)
+    if kernels is None:  # the environment changed after the group agreed
+        raise RuntimeError(f"distnorm::{name}: the group agreed on the Triton kernels, but this process has none now "
+                           f"({why}); DISTNORM_TRITON must not change during a run")
+    try:
+        return call(kernels)
+    except Exception as err:
+        raise RuntimeError(f"distnorm::{name}: the Triton kernel failed ({type(err).__name__}: {err}). Set "
+                           "DISTNORM_TRITON=0 on every rank to run the ATen composite instead.") from err
+
+
+#: The AMAT and running statistics among a CBN layer's buffers (the float ones).
+_STATISTICS = (0, 1, 3, 4)
+
+
+def _triton_takes_plan(moments: Sequence[Tensor], host_count: int, params: Sequence[Tensor],
+                       buffers: Sequence[Tensor]) -> bool:
+    """The Triton kernel's cases: float32 statistics and buffers, contiguous vectors, every
+    tensor on the statistics' device, and a host count only when the batch is valid (the
+    degenerate local case keeps the composite). The same answer on every rank of a group:
+    it reads shapes, dtypes and devices, which the ranks share."""
+    mean, var, *device = moments
+    count = device[:1]  # [count] with a device count, else []
+    statistics = [buffers[i] for i in _STATISTICS]
+    return (mean.dtype == torch.float32 and all(b.dtype == torch.float32 for b in statistics)
+            and all(v.is_contiguous() for v in (mean, *statistics, *count)) and (bool(count) or host_count > 1)
+            and _on_one_device(mean, var, *count, *params, *buffers))
+
+
+def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffers: list[Tensor], hyper: list[float],
+             momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                                 Tensor]:
+    """The kernel of ``distnorm::cbn_plan``: :func:`~distnorm._composite.cbn_plan_composite`
+    (its arguments and the maths), or where it takes the case, for ``kernel="triton"`` the
+    Triton kernel, for ``kernel="cpu"`` the C kernel of :mod:`distnorm._cpu_kernels` (the same
+    cases, on the CPU); ``"composite"``: the composite. ``kernel`` is what the layer's group
+    agreed (:func:`distnorm._kernel_choice.kernel_choice`)."""
+    if kernel == "triton" and _triton_takes_plan(moments, host_count, params, buffers):
+        return _launch("cbn_plan", moments[0].device,
+                       lambda k: k.cbn_plan(moments, host_count, params, buffers, hyper, momentum))
+    if (kernel == "cpu" and moments[0].device.type == "cpu" and _triton_takes_plan(moments, host_count, params, buffers)
+            and buffers[2].dtype == torch.bool and buffers[5].dtype == torch.int64):
+        return _cpu_kernels.cbn_plan(moments, host_count, params, buffers, hyper, momentum)
+    return cbn_plan_composite(moments, host_count, params, buffers, hyper, momentum, amat_ready)
+
+
+def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor, inv_rho: float,
+                  kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The kernel of ``distnorm::backward_sums``
+    (:func:`~distnorm._composite.backward_sums_composite`; ``kernel`` as for :func:`cbn_plan`)."""
+    if kernel != "composite" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
+        if kernel == "triton":
+            return _launch("backward_sums", s1.device, lambda k: k.backward_sums(
+                s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(),
+                inv_rho))
+        if kernel == "cpu" and s1.device.type == "cpu":
+            return _cpu_kernels.backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
+    return backward_sums_composite(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)

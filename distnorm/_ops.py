@@ -1,0 +1,130 @@
+"""Every operator of distnorm, declared through one :class:`torch.library.Library` (the
+``distnorm`` namespace), each with a fake kernel for tracing. The package calls them through
+this module's names (``_ops.cbn_plan(...)``): each is the operator's one overload, which
+skips the overload resolution of ``torch.ops.distnorm.cbn_plan(...)`` at every call, and a
+room that calls one imports the room that declares it.
+
+* ``distnorm::cbn_plan``, ``backward_sums``: the per-channel steps, one operator each
+  (kernels: :mod:`distnorm._kernels`; the maths: :mod:`distnorm._composite`), so a GPU
+  launches one kernel where ATen would launch some thirty, and a CPU runs one C loop
+  (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
+  ``"triton"``, ``"cpu"``), as the group agreed (:mod:`distnorm._kernel_choice`).
+* ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
+  the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
+* ``distnorm::bnp_precondition``: BNP's gradient transform on the CPU in one pass
+  (:mod:`distnorm._cpu_kernels`; the maths: :func:`distnorm._bnp_functions.bnp_precondition`).
+* ``distnorm::snapshot`` (compiled code only): copies of the AMAT and BNP buffers that a
+  compiled step reads before updating them in place (:func:`distnorm._traced.cbn_statistics`
+  says why it is an operator).
+
+The operators run with autograd off (inside the statistics step and the hand-written
+backward), so none needs an autograd formula; declaring them on a
+:class:`~torch.library.Library` rather than with ``torch.library.custom_op`` spares every
+call that decorator's Python wrapper, whose host time is what the fusion saves on a GPU
+(figures: ``docs/reference/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from distnorm._torch_floor import require_torch
+
+# The torch really imported (`import distnorm` read its metadata, which a torch on PYTHONPATH
+# without one does not have), checked before anything below declares an operator.
+require_torch(torch.__version__)
+
+from distnorm import _cpu_kernels, _kernels  # noqa: E402
+
+__all__ = ["backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats", "bnp_precondition", "cbn_plan",
+           "snapshot"]
+
+_LIB = torch.library.Library("distnorm", "FRAGMENT")
+
+
+def _define(name: str, kernel: Callable, fake: Callable, mutates: tuple[str, ...] = ()) -> None:
+    """Declare ``distnorm::<name>`` with ``kernel``'s signature (its schema inferred, the
+    ``mutates`` arguments annotated), register ``kernel`` for every device
+    (``CompositeExplicitAutograd``) and ``fake`` for tracing."""
+    _LIB.define(name + torch.library.infer_schema(kernel, mutates_args=mutates))
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"distnorm::{name}", fake, lib=_LIB)
+
+
+# The per-channel steps (kernels: distnorm._kernels).
+def _cbn_plan_fake(moments: list[Tensor], *_: Any) -> tuple[Tensor, ...]:
+    vec, channels = moments[0].new_empty, moments[0].shape[0]
+    return vec(channels), vec(channels), vec(channels), vec(channels), vec(2, 2, channels), vec(channels)
+
+
+def _backward_sums_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return (s1.new_empty(2, s1.shape[0]), torch.empty_like(s1), torch.empty_like(s1), torch.empty_like(s1),
+            s1.new_empty(1, dtype=torch.int32))
+
+
+_define("cbn_plan", _kernels.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
+_define("backward_sums", _kernels.backward_sums, _backward_sums_fake)
+
+
+# Copies of the buffers a compiled step updates in place, read by its backward
+# (distnorm._traced.cbn_statistics says why): an operator the compiler keeps, so that its
+# partitioner saves the copies rather than recompute from the updated buffers.
+def _snapshot(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def _snapshot_fake(tensors: list[Tensor]) -> list[Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
+_define("snapshot", _snapshot, _snapshot_fake)
+
+
+# The backward's element-wise pass on the CPU (kernel: distnorm._cpu_kernels), with the schema
+# and the formula of ATen's CUDA batch_norm_backward_elemt, which the CUDA path calls.
+def _batch_norm_backward_elemt_fake(grad_out: Tensor, x: Tensor, *_: Any) -> Tensor:
+    return torch.empty_like(x)
+
+
+_LIB.define("batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
+            "Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor")
+_LIB.impl("batch_norm_backward_elemt", _cpu_kernels.batch_norm_backward_elemt, "CPU")
+torch.library.register_fake("distnorm::batch_norm_backward_elemt", _batch_norm_backward_elemt_fake, lib=_LIB)
+
+
+# The forward's statistics on the CPU (kernel: distnorm._cpu_kernels; ATen's arithmetic in fewer
+# cycles), with the schema of ATen's batch_norm_update_stats, which every other device calls.
+def _batch_norm_update_stats_fake(x: Tensor, running_mean: Optional[Tensor], *_: Any) -> tuple[Tensor, Tensor]:
+    acc = running_mean.dtype if running_mean is not None else x.dtype
+    return x.new_empty(x.shape[1], dtype=acc), x.new_empty(x.shape[1], dtype=acc)
+
+
+_LIB.define("batch_norm_update_stats(Tensor input, Tensor? running_mean, Tensor? running_var, float momentum) "
+            "-> (Tensor, Tensor)")
+_LIB.impl("batch_norm_update_stats", _cpu_kernels.batch_norm_update_stats, "CPU")
+torch.library.register_fake("distnorm::batch_norm_update_stats", _batch_norm_update_stats_fake, lib=_LIB)
+
+
+# BNP's gradient transform on the CPU in one pass (kernel: distnorm._cpu_kernels), called by
+# distnorm._bnp_functions.BNPGradientFunction in eager mode where the layer's group agreed on the C
+# kernels; every other device, and compiled code (which fuses them itself), take ATen's calls.
+def _bnp_precondition_fake(grad_weight: Tensor, grad_bias: Optional[Tensor], *_: Any) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(grad_weight), grad_weight.new_empty(grad_weight.shape[0] if grad_bias is not None else 0)
+
+
+_LIB.define("bnp_precondition(Tensor grad_weight, Tensor? grad_bias, Tensor mean, Tensor var_t, float q2, int groups) "
+            "-> (Tensor, Tensor)")
+_LIB.impl("bnp_precondition", _cpu_kernels.bnp_precondition, "CPU")
+torch.library.register_fake("distnorm::bnp_precondition", _bnp_precondition_fake, lib=_LIB)
+
+
+# The operators' one overload each: what the package calls (no overload resolution per call).
+cbn_plan = torch.ops.distnorm.cbn_plan.default
+backward_sums = torch.ops.distnorm.backward_sums.default
+snapshot = torch.ops.distnorm.snapshot.default
+batch_norm_backward_elemt = torch.ops.distnorm.batch_norm_backward_elemt.default
+batch_norm_update_stats = torch.ops.distnorm.batch_norm_update_stats.default
+bnp_precondition = torch.ops.distnorm.bnp_precondition.default
