@@ -143,8 +143,12 @@ def _count_collectives(rank: int, world: int, store: str, channels: int, out) ->
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     result = {}
-    for name, layer in {"cbn": distnorm.CBN(channels), "popnorm": distnorm.POPNorm(channels),
-                        "syncbn": distnorm.SyncBatchNorm(channels)}.items():
+    layers = nn.ModuleDict({"cbn": distnorm.CBN(channels), "popnorm": distnorm.POPNorm(channels),
+                            "syncbn": distnorm.SyncBatchNorm(channels)})
+    # Named: with --quick, rank 0 (this process) built the timing's layers before, rank 1 did not,
+    # so their construction-order names differ.
+    distnorm.name_layers(layers)
+    for name, layer in layers.items():
         distnorm.set_lr(layer, LR)
         x = torch.randn(4, channels, 8, 8, requires_grad=True)
         layer(x.detach())  # initialise AMAT: the counted step takes the history path

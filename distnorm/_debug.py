@@ -3,10 +3,12 @@
 Turned on by the environment variable ``DISTNORM_DEBUG=1`` (read at import) or at run time
 with :func:`distnorm.debug`. When on, every synchronized layer
 
-* compares every collective's frame (:mod:`distnorm._frames`: each rank's layer, phase,
-  channel count and dtype travel with the statistics) as soon as it returns, on a GPU too,
-  and raises :class:`~distnorm.errors.CollectiveMismatchError` at the collective that ranks
-  paired from different layers (without debug mode a GPU finds it a few collectives later);
+* sends every collective's frame header (:mod:`distnorm._frames`: each rank's layer, phase,
+  channel count and dtype) ahead of it, alone, and compares it at once, on a GPU too: ranks
+  that paired different layers raise :class:`~distnorm.errors.CollectiveMismatchError` at
+  that collective (without debug mode a GPU finds it a few collectives later), and so do
+  ranks whose frames would differ in width (they built layers of other widths), before the
+  backend sees an all-reduce of two sizes;
 * raises :class:`~distnorm.errors.NonFiniteStatisticsError` on NaN/Inf batch statistics;
 * raises ``ValueError`` when a training batch has at most one value per channel globally.
 

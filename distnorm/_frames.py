@@ -190,6 +190,14 @@ def reduce(tensor: torch.Tensor, group: "dist.ProcessGroup", slot: str, shape: t
     wait on the CPU) puts each step's writes after the last step's reads.
     """
     header = _header(slot, shape, rank, size, tensor.device)
+    if is_debug():
+        # The header first, alone: its size is the group's, so ranks whose frames would differ
+        # in width (they built layers of other widths) are named here, not by the backend.
+        alone = header.mine.clone()
+        with released(alone):
+            dist.all_reduce(alone, op=dist.ReduceOp.SUM, group=group)
+        if not torch.equal(alone, header.expected):
+            _raise(alone)
     frame = _frame(tensor, slot, size)
     frame.payload.copy_(tensor)
     frame.header.copy_(header.mine)
@@ -224,7 +232,9 @@ def _raise(received: torch.Tensor) -> None:
         "Every rank must run the same synchronized layers in the same order: a branch taken on some "
         "ranks only (a layer skipped, another layer run, another channel count) pairs statistics "
         "that do not belong together. Make the branch the same on every rank, or build the layers "
-        "that may differ with sync=False."
+        "that may differ with sync=False. (A layer no model named is named by the order its process "
+        "built it, 'CBN(64) #3': where ranks built different layers before, name the model's with "
+        "distnorm.name_layers(model) or distnorm.set_lr.)"
     )
 
 

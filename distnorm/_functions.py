@@ -1,4 +1,4 @@
-"""The operators of the synchronized layers: a training step, from the layer's call down to
+"""A synchronized layer's training step, from the layer's call down to the operators and
 the collectives.
 
 :mod:`distnorm.functional` hands a training call here (:func:`normalize`), and it goes down
@@ -55,7 +55,7 @@ SyncBatchNorm: ``a = weight * invstd``, ``q = invstd``, ``r_mu = 1``, ``w = mean
 CBN (SPEC §1.1, with ``T = S2 / s_u``): ``a = gamma / (rho * s_u)``, ``q = r_sig / s``,
 ``w = (mu_U - beta) + r_mu * d``, ``d = mu_B - mu_U + beta``.
 
-Operators: :mod:`distnorm._ops` declares them; their kernels are :mod:`distnorm._kernels`'.
+Operators: :mod:`distnorm._ops` declares them, :mod:`distnorm._kernels` runs them.
 
 Compiled. Under ``torch.compile`` the statistics step and the backward are
 :mod:`distnorm._traced`'s: the same mathematics as ATen calls Inductor decomposes and fuses
