@@ -56,13 +56,14 @@ class BNPLayerState:
     aliases: Any = None  # the preconditioned (weight, bias) of that forward
     called: bool = False
     key: int = -1
+    kernels: Any = None  # (group, device, Kernels) once decided: distnorm._kernel_choice.kernels_of
 
     def group(self) -> ProcessGroup | None:
         return _collectives.sync_group(self.process_group)
 
     #: What one forward leaves for its backward or for a recomputation: references into a
     #: graph of this process (the stash holds weak ones), never pickled or copied.
-    RUNTIME_FIELDS = ("pending", "holder", "count", "active", "aliases")
+    RUNTIME_FIELDS = ("pending", "holder", "count", "active", "aliases", "kernels")
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickling / deepcopy: the configuration and the hooks, not the stash and not the
@@ -101,7 +102,7 @@ def layer_statistics(h: torch.Tensor, mean_buf: torch.Tensor, var_buf: torch.Ten
     """
     if replay and in_backward() and len(state.stash):
         return state.stash.pop(h.shape, f"BNP '{state.name}'")
-    moments = _kernel_choice.synced_moments(h, state.group(), f"BNP '{state.name}'")  # at the group's first step: its vote
+    moments = _kernel_choice.synced_moments(h, state.group(), f"BNP '{state.name}'", state)  # the group's first step: its vote
     result = running_update(moments, h, mean_buf, var_buf, state.config)
     if replay:
         stashed = StashedPlan(result, h.shape)

@@ -185,7 +185,7 @@ class AffinePartsFunction(torch.autograd.Function):
         else:
             _, grad_weight, grad_bias, _, _ = _ops.backward_sums(
                 grad_shift, grad_scale, beta_coef, a, grad_coef, 1.0 / state.rho,
-                _kernel_choice.kernel_choice(state.group(), a.device))
+                _kernel_choice.kernels_of(state, state.group(), a.device).per_channel)
         return to_dtype(grad_weight, ctx.weight_dtype), to_dtype(grad_bias, ctx.bias_dtype), None, None
 
 
@@ -290,7 +290,7 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
     """
     running_mean, running_var, num_batches_tracked = buffers
     group = state.group()
-    moments = _kernel_choice.synced_moments(x, group, state.name)  # at the group's first step: its kernel vote
+    moments = _kernel_choice.synced_moments(x, group, state.name, state)  # the group's first step: its kernel vote
     mean, var, count = moments.mean, moments.var, moments.count
     acc = mean.dtype
     channels = mean.shape[0]
@@ -320,8 +320,8 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     a captured CUDA graph replayed at other learning rates, and in compiled code alike.
     """
     group = state.group()
-    count, mean, var, valid = _kernel_choice.synced_moments(x, group, state.name)  # at the group's first step: its vote
-    plan_kernel = _kernel_choice.kernel_choice(group, x.device)
+    count, mean, var, valid = _kernel_choice.synced_moments(x, group, state.name, state)  # the group's first step: its vote
+    plan_kernel = _kernel_choice.kernels_of(state, group, x.device).per_channel
     if isinstance(count, int):
         host_count, moments = count, [mean, var]
     else:
@@ -387,17 +387,18 @@ def forward_output(x: Tensor, weight: Tensor | None, bias: Tensor | None, center
     return torch.ops.aten.native_batch_norm(x, scale, shift, center, var, False, 0.0, state.eps)[0]
 
 
-@torch.no_grad()
 def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], need_input_grad: bool,
                        state: NormState) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_x, grad_weight, grad_bias)`` in the accumulation dtype (see the module plan).
 
     ``saved``: the plan's ``(center, invstd, grad_scale, grad_coef, beta_coef)``. ``grad_x``
-    is an empty tensor when ``need_input_grad`` is false (no collective then).
+    is an empty tensor when ``need_input_grad`` is false (no collective then). Runs inside
+    :class:`NormalizeFunction`'s backward, where autograd records nothing.
     """
     center, invstd, grad_scale, grad_coef, beta_coef = saved
     channels = center.shape[0]
-    if state.kind == "bn" and state.group() is None:
+    group = state.group()
+    if state.kind == "bn" and group is None:
         return _local_batch_norm_backward(grad_out, x, saved, need_input_grad, state)
     if x.numel() > 0:
         # Kernel contract (batch_norm_backward_cuda): train=True makes both kernels read
@@ -413,30 +414,28 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
 
     # One fused operator (distnorm._kernels): the local sums scaled for the element-wise
     # pass, [r_mu S1, q T], the local parameter gradients, the pass's w and count.
-    kernel = _kernel_choice.kernel_choice(state.group(), x.device)  # what the forward's group agreed
+    kernels = _kernel_choice.kernels_of(state, group, x.device)  # what the forward's group agreed
     if state.kind == "bn":  # ATen's sums are BN's parameter gradients; no beta term
         sums, _, _, w, count = _ops.backward_sums(
             s1_local, t_local, constant(0.0, (channels,), center.dtype, center.device),
-            constant(1.0, channels, center.dtype, center.device), grad_coef, 1.0, kernel)
+            constant(1.0, channels, center.dtype, center.device), grad_coef, 1.0, kernels.per_channel)
         grad_weight, grad_bias = t_local, s1_local
     else:
         sums, grad_weight, grad_bias, w, count = _ops.backward_sums(
-            s1_local, t_local, beta_coef, grad_scale, grad_coef, 1.0 / state.rho, kernel)
+            s1_local, t_local, beta_coef, grad_scale, grad_coef, 1.0 / state.rho, kernels.per_channel)
 
     if not need_input_grad:
         return torch.empty(0, dtype=x.dtype, device=x.device), grad_weight, grad_bias
     # The statistics depend on every rank's samples, so the input gradient needs the global
     # sums. Parameter gradients do not: they stay local and the data-parallel engine
     # averages them, exactly as for torch.nn.SyncBatchNorm.
-    _collectives.all_reduce_sum(sums, state.group(), slot=f"{state.name}|backward|C={channels}|{x.dtype}",
+    _collectives.all_reduce_sum(sums, group, slot=f"{state.name}|backward|C={channels}|{x.dtype}",
                                 shape=(channels, x.dtype))
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
     shift, slope = sums.unbind()  # r_mu S1, q T of the global batch
     # The C pass wherever the group agreed on the C kernels (also where Triton's interpreter runs the operators).
-    cpu_kernel = _kernel_choice.cpu_kernel_decision(state.group(), x.device)
-    return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), cpu_kernel), grad_weight, \
-        grad_bias
+    return backward_elemt(grad_out, x, grad_scale, (w, shift, slope, count), kernels.cpu), grad_weight, grad_bias
 
 
 def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequence[Tensor],

@@ -39,7 +39,7 @@ import os
 import warnings
 import weakref
 from types import ModuleType
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -49,8 +49,8 @@ from distnorm._collectives import ProcessGroup
 from distnorm._composite import backward_sums_composite, cbn_plan_composite
 from distnorm._cpu_kernels import cpu_kernel_enabled
 
-__all__ = ["TritonState", "cpu_kernel_decision", "kernel_choice", "synced_moments", "triton_decision", "triton_enabled",
-           "triton_state", "triton_vote"]
+__all__ = ["Kernels", "TritonState", "cpu_kernel_decision", "kernel_choice", "kernels_of", "synced_moments",
+           "triton_decision", "triton_enabled", "triton_state", "triton_vote"]
 
 
 class TritonState(NamedTuple):
@@ -206,19 +206,52 @@ def cpu_kernel_decision(group: ProcessGroup | None, device: torch.device) -> boo
     return _CPU_KERNEL_AGREED.get(group, False)
 
 
-def synced_moments(x: Tensor, group: ProcessGroup | None, layer: str) -> _moments.Moments:
+def synced_moments(x: Tensor, group: ProcessGroup | None, layer: str, state: Any) -> _moments.Moments:
     """A synchronized layer's statistics (:func:`distnorm._moments.global_moments`) with
     the group's agreement on the kernels: at the group's first step on ``x``'s device type the
     ranks' votes (:func:`triton_vote`) ride on that all-reduce, whose local statistics are then
     ATen's on every rank (nothing is agreed yet), and every rank decides right after it
     (:func:`triton_decision`, raising alike where a rank's kernels failed); later steps run the
-    kernels agreed. The one way every layer (CBN, BN, BNP) enters its statistics step."""
+    kernels agreed (:func:`kernels_of` the layer's ``state``; ``layer``: its name in errors). The
+    one way every layer (CBN, BN, BNP) enters its statistics step."""
     votes = triton_vote(group, x.device, x.shape[1])
     moments = _moments.global_moments(x, group, layer=layer, piggyback=votes,
-                                          cpu_kernel=cpu_kernel_decision(group, x.device))
+                                      cpu_kernel=kernels_of(state, group, x.device).cpu)
     if votes is not None:
         triton_decision(group, x.device, votes)
     return moments
+
+
+class Kernels(NamedTuple):
+    """The kernels a layer's step runs on one device, as its group agreed.
+
+    Attributes:
+        per_channel: the per-channel operators' implementation, their last argument
+            (:func:`kernel_choice`: ``"triton"``, ``"cpu"`` or ``"composite"``).
+        cpu: distnorm's C kernels for the statistics and the backward's element-wise pass
+            (:func:`cpu_kernel_decision`).
+    """
+
+    per_channel: str
+    cpu: bool
+
+
+def kernels_of(state: Any, group: ProcessGroup | None, device: torch.device) -> Kernels:
+    """The :class:`Kernels` of a layer (``state``: its ``NormState`` or ``BNPLayerState``)
+    synchronizing over ``group`` on ``device``: decided once and kept in ``state.kernels``
+    from the step the decision is final on -- a group's agreement, made at its first
+    synchronized step, or a process's own setting without a group -- so a step makes no
+    choice after that (``DISTNORM_TRITON`` and ``DISTNORM_CPU_KERNEL`` must not change
+    during a run, as :func:`distnorm._kernels.cbn_plan` says). Until then each call asks
+    again: before its vote a group runs ATen's kernels on every rank."""
+    kept = state.kernels
+    if kept is not None and kept[1] == device and (kept[0]() if kept[0] is not None else None) is group:
+        return kept[2]
+    chosen = Kernels(kernel_choice(group, device), cpu_kernel_decision(group, device))
+    if group is None or _agreed(group, device.type) is not None:
+        # The group held weakly, as _AGREED holds it: a layer must not keep a destroyed group alive.
+        state.kernels = (weakref.ref(group) if group is not None else None, device, chosen)
+    return chosen
 
 
 def kernel_choice(group: ProcessGroup | None, device: torch.device) -> str:

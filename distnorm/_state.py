@@ -59,6 +59,7 @@ class NormState:
     pending: StashedPlan | None = field(default=None, repr=False)
     key: int = field(default=-1, repr=False)  # registry key (a module's state; -1: a functional call's)
     channels: int = field(default=0, repr=False)  # a module's, reserved in every frame (distnorm._frames)
+    kernels: Any = field(default=None, repr=False)  # (group, device, Kernels): distnorm._kernel_choice.kernels_of
 
     @classmethod
     def of_layer(cls, kind: str, name: str, channels: int, **fields: Any) -> "NormState":
@@ -72,7 +73,7 @@ class NormState:
 
     def __getstate__(self) -> dict[str, Any]:  # pickling / deepcopy: runtime fields reset
         state = dict(self.__dict__)
-        state.update(stash=None, pending=None, stats_sink=None)
+        state.update(stash=None, pending=None, stats_sink=None, kernels=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -122,7 +122,7 @@ def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = _own(module, "weight")
         # The C kernel where the group agreed on it (after this step's statistics, which carried
         # the vote at its first step); a compiled backward fuses ATen's calls itself.
-        cpu_kernel = not torch.compiler.is_compiling() and _kernel_choice.cpu_kernel_decision(state.group(), weight.device)
+        cpu_kernel = not torch.compiler.is_compiling() and _kernel_choice.kernels_of(state, state.group(), weight.device).cpu
         state.aliases = BNPGradientFunction.apply(weight, _own(module, "bias"), mean, var_t, q2, state.groups,
                                                   cpu_kernel)
     return state.aliases

@@ -199,9 +199,11 @@ class _CompleteNorm(_DistNormLayer):
         self._state.amat_ready = bool(self.amat_initialized)
 
     def _statistics(self) -> CBNBuffers:
-        """The six statistics buffers, as one structure."""
-        return CBNBuffers(self.amat_mean, self.amat_var, self.amat_initialized, self.running_mean, self.running_var,
-                          self.num_batches_tracked)
+        """The six statistics buffers, as one structure (read from the module's buffer dict:
+        six ``nn.Module.__getattr__`` fallbacks cost a step more host time than the lookups)."""
+        buffers = self._buffers
+        return CBNBuffers(buffers["amat_mean"], buffers["amat_var"], buffers["amat_initialized"],
+                          buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = functional.normalize(x, self.weight, self.bias, self._statistics(), self._state,

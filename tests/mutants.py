@@ -277,8 +277,8 @@ MUTANTS: list[Mutant] = [
         "bnp-local-moments",
         "BNP moments from all-reduced statistics: 2 ranks equal 1 process",
         "distnorm/_bnp_functions.py",
-        "    moments = _kernel_choice.synced_moments(h, state.group(), f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
-        "    moments = _kernel_choice.synced_moments(h, None, f\"BNP '{state.name}'\")  # at the group's first step: its vote\n",
+        "    moments = _kernel_choice.synced_moments(h, state.group(), f\"BNP '{state.name}'\", state)  # the group's first step: its vote\n",
+        "    moments = _kernel_choice.synced_moments(h, None, f\"BNP '{state.name}'\", state)  # the group's first step: its vote\n",
         ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
     ),
     # ------------------------------------------------------------ kernel contracts, host syncs
@@ -1176,8 +1176,8 @@ MUTANTS: list[Mutant] = [
         "bnp-kernel-only-without-a-group",
         "BNP's backward on the CPU runs the C kernel once the layer's group agreed on it",
         "distnorm/bnp.py",
-        "        cpu_kernel = not torch.compiler.is_compiling() and _kernel_choice.cpu_kernel_decision(state.group(), weight.device)\n",
-        "        cpu_kernel = not torch.compiler.is_compiling() and state.group() is None and _kernel_choice.cpu_kernel_decision(None, weight.device)\n",
+        "        cpu_kernel = not torch.compiler.is_compiling() and _kernel_choice.kernels_of(state, state.group(), weight.device).cpu\n",
+        "        cpu_kernel = not torch.compiler.is_compiling() and state.group() is None and _kernel_choice.kernels_of(state, None, weight.device).cpu\n",
         ("tests/test_bnp.py::test_ddp_two_ranks_equal_one_process",),
     ),
     Mutant(
@@ -1201,7 +1201,7 @@ MUTANTS: list[Mutant] = [
         "BNP's C kernel refuses arguments that do not match before it reads them",
         "distnorm/_cpu_kernels.py",
         "    check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)\n    dtype = grad_weight.dtype\n",
-        "    dtype = grad_weight.dtype\n",
+        "    pass\n    dtype = grad_weight.dtype\n",
         ("tests/test_bnp.py::test_the_cpu_kernel_refuses_what_does_not_match",),
     ),
     Mutant(
@@ -1268,7 +1268,23 @@ MUTANTS: list[Mutant] = [
         "        _CPU_KERNEL_AGREED[group] = False\n",
         ("tests/test_fused.py::test_synchronized_layers_run_the_c_kernels_once_the_group_agreed",),
     ),
+    Mutant(
+        "kernels-kept-before-the-vote",
+        "a layer keeps its kernels from the group's agreement on, not the ATen kernels of the voting step",
+        "distnorm/_kernel_choice.py",
+        "    if group is None or _agreed(group, device.type) is not None:\n",
+        "    if True:\n",
+        ("tests/test_fused.py::test_synchronized_layers_run_the_c_kernels_once_the_group_agreed",),
+    ),
     # ------------------------------------------------------------------------ exit
+    Mutant(
+        "kernels-hold-their-group",
+        "a distnorm script exits cleanly after destroy_process_group: a layer's kept kernels hold its group weakly",
+        "distnorm/_kernel_choice.py",
+        "        state.kernels = (weakref.ref(group) if group is not None else None, device, chosen)\n",
+        "        state.kernels = ((lambda: group) if group is not None else None, device, chosen)\n",
+        ("tests/test_exit.py::test_no_distnorm_cache_keeps_a_destroyed_group_alive",),
+    ),
     Mutant(
         "collective-returns-before-gloo-lets-go",
         "a distnorm script exits cleanly after destroy_process_group: a CPU collective returns after gloo let go of its tensors",

@@ -131,11 +131,12 @@ def _gloo_workers() -> int:
 
 
 def _workers_left_after_destroy(rank: int, world_size: int) -> int:
-    """A converted model's training step (its first synchronized step holds the kernel vote)
-    and a consistency check — every distnorm cache that sees a group — then the program drops
-    its model and destroys the group: gloo's workers must be gone. (Without the plugin, which
-    imports ``torch._dynamo``: that import alone keeps the default group past
-    ``destroy_process_group``, a holder of torch's, not distnorm's.)"""
+    """A converted model's training step (its first synchronized step holds the kernel vote,
+    and each layer keeps the kernels agreed) and a consistency check — every distnorm cache
+    that sees a group — then the program destroys the group, its model still alive (a script
+    destroys the group at its end, the model still in scope): gloo's workers must be gone.
+    (Without the plugin, which imports ``torch._dynamo``: that import alone keeps the default
+    group past ``destroy_process_group``, a holder of torch's, not distnorm's.)"""
     torch.manual_seed(0)
     model = distnorm.convert(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
                                                  torch.nn.Conv2d(8, 8, 3), torch.nn.BatchNorm2d(8)), norm="cbn")
@@ -143,16 +144,18 @@ def _workers_left_after_destroy(rank: int, world_size: int) -> int:
     distnorm.check_consistency(model, parameters=True)
     assert _kernel_choice.triton_state(dist.group.WORLD, "cpu") is _kernel_choice._agreed(dist.group.WORLD, "cpu"), "no vote held"
     assert _gloo_workers() > 0
-    del model
     dist.destroy_process_group()
     gc.collect()
-    return _gloo_workers()
+    left = _gloo_workers()
+    del model
+    return left
 
 
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(120)
 def test_no_distnorm_cache_keeps_a_destroyed_group_alive(tmp_path):
-    """Bug caught: the fused operators' kernel vote kept every group it saw (``_kernel_choice._AGREED``
-    held the group object), so destroy_process_group never destroyed the default group and
-    gloo's worker threads ran on into interpreter shutdown, where the abort above waits."""
+    """Bugs caught: the fused operators' kernel vote kept every group it saw
+    (``_kernel_choice._AGREED`` held the group object), and so did a layer's kept kernels, so
+    destroy_process_group never destroyed the default group and gloo's worker threads ran on
+    into interpreter shutdown, where the abort above waits."""
     assert run_distributed(_workers_left_after_destroy, 2, tmp_path) == [0, 0]
