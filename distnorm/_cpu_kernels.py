@@ -306,6 +306,14 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math
 _FUNCTIONS = {torch.float32: "elemt_f32", torch.float64: "elemt_f64", torch.bfloat16: "elemt_bf16",
               torch.float16: "elemt_f16"}
 _PRECONDITION = {torch.float32: "bnp_precondition_f32", torch.float64: "bnp_precondition_f64"}
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+#: The argument types of the kernels called once per layer step (the signatures in SOURCE).
+_ARGTYPES = {
+    **{name: [_P] * 8 + [_I64] * 4 + [_INT, _P] for name in _FUNCTIONS.values()},
+    "stats_f32": [_P] * 3 + [_I64] * 3 + [_INT],
+    "cbn_plan_f32": [_P] * 18 + [_I64, _F32, _F32, _F32, _INT, _F32, _F32, _INT, _F32, _F32],
+    "backward_sums_f32": [_P] * 10 + [_I64, _F32],
+}
 
 
 def cpu_kernel_enabled() -> bool:
@@ -357,6 +365,10 @@ def library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32", "backward_sums_f32", *_PRECONDITION.values()]:
         getattr(lib, name).restype = None
+    # Declared argument types: ctypes then converts a call's Python ints (data pointers) and
+    # floats in C, where building a c_void_p object per argument costs a step microseconds.
+    for name, types in _ARGTYPES.items():
+        getattr(lib, name).argtypes = types
     return lib
 
 
@@ -392,13 +404,12 @@ def batch_norm_backward_elemt(grad_out: Tensor, x: Tensor, mean: Tensor, invstd:
                for v in (mean, invstd, weight, sum_dy, sum_dy_xmu)]
     out = torch.empty_like(x)
     coef = torch.empty(3 * channels, dtype=acc)
-    total = int(count.sum())  # a CPU tensor: no device synchronisation
-    pointer = ctypes.c_void_p
+    total = int(count.sum()) if count.numel() > 1 else int(count)  # a CPU tensor: no device synchronisation
+    mean_, invstd_, weight_, sum_dy_, sum_dy_xmu_ = vectors
     getattr(library(), _FUNCTIONS[x.dtype])(
-        pointer(grad_out.data_ptr()), pointer(x.data_ptr()), pointer(out.data_ptr()),
-        *(pointer(v.data_ptr()) for v in vectors), ctypes.c_int64(total), ctypes.c_int64(channels),
-        ctypes.c_int64(inner), ctypes.c_int64(x.numel()), ctypes.c_int(torch.get_num_threads()),
-        pointer(coef.data_ptr()))
+        grad_out.data_ptr(), x.data_ptr(), out.data_ptr(), mean_.data_ptr(), invstd_.data_ptr(), weight_.data_ptr(),
+        sum_dy_.data_ptr(), sum_dy_xmu_.data_ptr(), total, channels, inner, x.numel(), torch.get_num_threads(),
+        coef.data_ptr())
     return out
 
 
@@ -415,10 +426,8 @@ def batch_norm_update_stats(x: Tensor, running_mean: Tensor | None, running_var:
             or inner <= 1 or x.numel() == 0):
         return torch.ops.aten.batch_norm_update_stats(x, running_mean, running_var, momentum)
     mean, var = torch.empty(channels), torch.empty(channels)
-    pointer = ctypes.c_void_p
-    library().stats_f32(pointer(x.data_ptr()), pointer(mean.data_ptr()), pointer(var.data_ptr()),
-                        ctypes.c_int64(channels), ctypes.c_int64(inner), ctypes.c_int64(x.numel()),
-                        ctypes.c_int(torch.get_num_threads()))
+    library().stats_f32(x.data_ptr(), mean.data_ptr(), var.data_ptr(), channels, inner, x.numel(),
+                        torch.get_num_threads())
     return mean, var
 
 
@@ -438,15 +447,13 @@ def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffe
     # allocation does (about 1.5 us each, 2026-11-29).
     center, var_u, invstd, a, beta_coef = (torch.empty(channels) for _ in range(5))
     grad_coef = torch.empty(2, 2, channels)
-    pointer = lambda t: ctypes.c_void_p(t.data_ptr() if t is not None else None)  # noqa: E731
-    # Held by a name for the call: a temporary .contiguous() copy is freed with the generator
+    # Held by a name for the call: a temporary .contiguous() copy is freed with the expression
     # that took its pointer, before the kernel reads it.
     dense = [mean.contiguous(), var.contiguous(), count, weight, bias, eta[0] if eta else None, *buffers]
     library().cbn_plan_f32(
-        *(pointer(t) for t in (*dense, center, var_u, invstd, a, grad_coef, beta_coef)),
-        ctypes.c_int64(channels), ctypes.c_float(max(host_count, 1)), ctypes.c_float(host_count / max(host_count - 1, 1)),
-        ctypes.c_float(eps), ctypes.c_int(momentum is None), ctypes.c_float(0.0 if momentum is None else momentum),
-        ctypes.c_float(1.0 / rho), ctypes.c_int(rho != 1.0), ctypes.c_float(1.0 / r_max), ctypes.c_float(r_max))
+        *[t.data_ptr() if t is not None else None for t in (*dense, center, var_u, invstd, a, grad_coef, beta_coef)],
+        channels, max(host_count, 1), host_count / max(host_count - 1, 1), eps, momentum is None,
+        0.0 if momentum is None else momentum, 1.0 / rho, rho != 1.0, 1.0 / r_max, r_max)
     return center, var_u, invstd, a, grad_coef, beta_coef
 
 
@@ -460,8 +467,8 @@ def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, 
     count = torch.empty(1, dtype=torch.int32)
     # Held by a name for the call (cbn_plan: a temporary copy would be freed before the kernel reads it).
     dense = [v.contiguous() for v in (s1, t, beta_coef, grad_scale, grad_coef)]
-    library().backward_sums_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (*dense, sums, grad_weight, grad_bias, w, count)),
-                                ctypes.c_int64(channels), ctypes.c_float(inv_rho))
+    library().backward_sums_f32(*[v.data_ptr() for v in (*dense, sums, grad_weight, grad_bias, w, count)],
+                                channels, inv_rho)
     return sums, grad_weight, grad_bias, w, count
 
 

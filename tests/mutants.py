@@ -1208,8 +1208,8 @@ MUTANTS: list[Mutant] = [
         "cpu-kernel-temporary-pointers",
         "the CPU's C kernels read strided arguments as the composite does",
         "distnorm/_cpu_kernels.py",
-        "    library().backward_sums_f32(*(ctypes.c_void_p(v.data_ptr()) for v in (*dense, sums, grad_weight, grad_bias, w, count)),\n",
-        "    library().backward_sums_f32(*(ctypes.c_void_p(v.contiguous().data_ptr()) for v in (s1, t, beta_coef, grad_scale, grad_coef, sums, grad_weight, grad_bias, w, count)),\n",
+        "    library().backward_sums_f32(*[v.data_ptr() for v in (*dense, sums, grad_weight, grad_bias, w, count)],\n",
+        "    library().backward_sums_f32(*[v.contiguous().data_ptr() for v in (s1, t, beta_coef, grad_scale, grad_coef, sums, grad_weight, grad_bias, w, count)],\n",
         ("tests/test_fused.py::test_cpu_kernels_read_strided_arguments",),
     ),
     Mutant(
