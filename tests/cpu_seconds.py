@@ -61,8 +61,8 @@ def _processes(group: Path) -> list[str]:
 
 
 def _remove(group: Path) -> None:
-    """Remove an emptied cgroup and the groups nested in it (``tests/cpu_account.py`` makes one
-    per pytest process), deepest first: the kernel refuses (EBUSY) a group that has children."""
+    """Remove an emptied cgroup and the groups nested in it (a tool the suite runs may nest its
+    own), deepest first: the kernel refuses (EBUSY) a group that has children."""
     for child in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
         child.rmdir()
     group.rmdir()
