@@ -159,7 +159,7 @@ def test_a_compiled_model_with_dynamic_batch_sizes_equals_eager(group):
             _end_one_rank_group(dist, previous)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.processes)])  # Inductor: compile workers
 def test_two_compiled_functional_call_sites_keep_their_own_amat_state(backend):
     """Two compiled ``functional.cbn`` call sites of the same configuration, each with its own
     buffers, equal eager in float64 (eta = 0.5, 3 steps), traced whole (``fullgraph=True``)
