@@ -89,7 +89,8 @@ def update_running(running_mean: Tensor | None, running_var: Tensor | None, num_
     blend([running_mean, running_var], [mean, var * bessel], weight, valid)
 
 
-def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Sequence[Tensor], buffers: Sequence[Tensor],
+def cbn_plan_composite(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor,
+                       bias: Tensor, eta: Optional[Tensor], buffers: Sequence[Tensor], host_count: int,
                        hyper: Sequence[float], momentum: Optional[float], amat_ready: bool,
                        amat_before: Optional[Sequence[Tensor]] = None) -> tuple[Tensor, ...]:
     """CBN's per-channel step (SPEC §1; POP-Norm: ``rho = 1``, ``r_max = 1``), in ATen calls.
@@ -108,15 +109,17 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
     n / (n - 1))``.
 
     Args:
-        moments: the global statistics as :func:`distnorm._moments.global_moments` gives
-            them: ``[mean, var]`` with a host count; ``[mean, var, count]`` with a device count
-            when the host knows the batch is valid (more than one value per channel);
-            ``[mean, var, count, valid]`` when only the device knows (the update is masked).
-        host_count: the count when the host knows it, else -1.
-        params: ``[weight, bias]``, and ``eta`` (0-dim) when history blends in (``eta > 0``,
-            or a tensor learning rate the host does not read).
+        mean, var: the global statistics (:func:`distnorm._moments.global_moments`).
+        count: the global count per channel on the device, or ``None`` where the host knows
+            it (``host_count``).
+        valid: with a device count, the device's mask of a valid batch (more than one value
+            per channel; the update is masked), or ``None`` where the host knows it is valid.
+        weight, bias: ``gamma`` and ``beta``.
+        eta: AMAT's weight on history (0-dim) for a layer with AMAT, which always blends
+            history in (``eta = 0`` gives the batch statistics); ``None`` without AMAT.
         buffers: the six CBN buffers (:class:`distnorm._state.CBNBuffers` order), updated
             in place.
+        host_count: the count when the host knows it, else -1.
         hyper: ``[eps, rho, r_max]``.
         momentum: the running statistics' (``None``: cumulative average).
         amat_ready: the host saw the AMAT buffers initialised (no device-side check needed).
@@ -126,21 +129,21 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
 
     Returns ``(center, var_U, invstd, a, grad_coef, beta_coef)``, all new tensors.
     """
-    mu_b, var_x, *device = moments
-    n: int | Tensor = device[0] if device else host_count
+    mu_b, var_x = mean, var
+    n: int | Tensor = count if count is not None else host_count
     # A branch on the host count, which in a compiled step may be a symbol (a dynamic batch
     # size): Dynamo guards on the condition, where a comparison alone stays a symbolic bool.
-    if device:
-        valid: bool | Tensor = device[1] if len(device) > 1 else True
+    ok: bool | Tensor
+    if count is not None:
+        ok = valid if valid is not None else True
     else:
-        valid = True if host_count > 1 else False
-    weight, bias, *eta = params
+        ok = True if host_count > 1 else False
     eps, rho, r_max = hyper
     acc = mu_b.dtype
     beta = to_dtype(bias, acc)
-    if eta:
+    if eta is not None:
         amat = buffers[:3] if amat_before is None else amat_before
-        mu_u, d, var_u, invstd, q, r_mu, center, w = _with_history(mu_b, var_x, beta, to_dtype(eta[0], acc), amat,
+        mu_u, d, var_u, invstd, q, r_mu, center, w = _with_history(mu_b, var_x, beta, to_dtype(eta, acc), amat,
                                                                    (eps, r_max), amat_ready)
     else:
         # No history (AMAT off, or eta = 0 at learning rates >= 1/omega): mu_U = mu_B,
@@ -156,7 +159,7 @@ def cbn_plan_composite(moments: Sequence[Tensor], host_count: int, params: Seque
         a.mul_(1.0 / rho)
     grad_coef = grad_coef_of(r_mu, q, w, n)
     beta_coef = q * d
-    _update_buffers(buffers, (mu_b, var_x, mu_u, var_u), n, momentum, valid, amat_ready)
+    _update_buffers(buffers, (mu_b, var_x, mu_u, var_u), n, momentum, ok, amat_ready)
     return center, var_u, invstd, a, grad_coef, beta_coef
 
 

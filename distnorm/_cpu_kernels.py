@@ -431,16 +431,15 @@ def batch_norm_update_stats(x: Tensor, running_mean: Tensor | None, running_var:
     return mean, var
 
 
-def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffers: list[Tensor], hyper: list[float],
-             momentum: float | None) -> tuple[Tensor, ...]:
+def cbn_plan(mean: Tensor, var: Tensor, count: Tensor | None, weight: Tensor, bias: Tensor, eta: Tensor | None,
+             buffers: list[Tensor], host_count: int, hyper: list[float], momentum: float | None) -> tuple[Tensor, ...]:
     """The CPU kernel of ``distnorm::cbn_plan`` (the arguments and the maths of
     :func:`distnorm._composite.cbn_plan_composite`) for float32 statistics and buffers on the CPU:
     :data:`SOURCE`'s ``cbn_plan_f32``, one loop over the channels where the composite makes
     some thirty ATen calls. A host count must be valid (``> 1``), as for the Triton kernel."""
-    mean, var, *device = moments  # a device count's validity mask is the kernel's own (count > 1)
-    count = device[0].contiguous() if device else None
-    weight, bias, *eta = (p if p.dtype == torch.float32 and p.is_contiguous() else p.to(torch.float32).contiguous()
-                          for p in params)
+    count = count.contiguous() if count is not None else None  # its validity mask is the kernel's own (count > 1)
+    weight, bias, eta = (p if p is None or (p.dtype == torch.float32 and p.is_contiguous())
+                         else p.to(torch.float32).contiguous() for p in (weight, bias, eta))
     eps, rho, r_max = hyper
     channels = mean.shape[0]
     # Six allocations, not one workspace and views of it: on the CPU a view costs what an
@@ -449,7 +448,7 @@ def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffe
     grad_coef = torch.empty(2, 2, channels)
     # Held by a name for the call: a temporary .contiguous() copy is freed with the expression
     # that took its pointer, before the kernel reads it.
-    dense = [mean.contiguous(), var.contiguous(), count, weight, bias, eta[0] if eta else None, *buffers]
+    dense = [mean.contiguous(), var.contiguous(), count, weight, bias, eta, *buffers]
     library().cbn_plan_f32(
         *[t.data_ptr() if t is not None else None for t in (*dense, center, var_u, invstd, a, grad_coef, beta_coef)],
         channels, max(host_count, 1), host_count / max(host_count - 1, 1), eps, momentum is None,

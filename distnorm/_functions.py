@@ -322,17 +322,16 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     group = state.group()
     count, mean, var, valid = _kernel_choice.synced_moments(x, group, state.name, state)  # the group's first step: its vote
     plan_kernel = _kernel_choice.kernels_of(state, group, x.device).per_channel
-    if isinstance(count, int):
-        host_count, moments = count, [mean, var]
-    else:
-        host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
+    # A count on the host, or on the device with the device's validity mask where only it knows.
+    host_count, device_count, device_valid = (count, None, None) if isinstance(count, int) else (
+        -1, count, None if valid is True else valid)
     # Captured into a CUDA graph, the step may be replayed before the AMAT buffers' first
     # update: their initialisation is then checked on the device (the same values either way).
     replayed = _capture.capturing(x.device)
-    params = [weight, bias, eta] if state.amat else [weight, bias]
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
-    plan = NormPlan(*_ops.cbn_plan(moments, host_count, params, list(buffers), hyper, state.momentum,
-                                                 state.amat_ready and not replayed, plan_kernel))
+    plan = NormPlan(*_ops.cbn_plan(mean, var, device_count, device_valid, weight, bias, eta if state.amat else None,
+                                   list(buffers), host_count, hyper, state.momentum,
+                                   state.amat_ready and not replayed, plan_kernel))
     if state.stats_sink is not None:
         # Theory monitors (distnorm.monitors) read the operator's own inputs and outputs, the
         # values every rank computes: references, no op and no second computation, so a rank

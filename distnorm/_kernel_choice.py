@@ -82,10 +82,10 @@ def _probe(kernels: ModuleType, device: torch.device) -> None:
         return [mean * 0.5, var * 1.5, torch.ones((), dtype=torch.bool, device=device), mean * 0.1, var * 0.9,
                 torch.full((), 3, dtype=torch.long, device=device)]
 
-    moments, params, hyper = [mean, var, count], [weight, bias, eta], [1e-5, 1.5, 3.0]
+    hyper = [1e-5, 1.5, 3.0]
     got_buffers, want_buffers = buffers(), buffers()
-    got = kernels.cbn_plan(moments, -1, params, got_buffers, hyper, 0.1)
-    want = cbn_plan_composite(moments, -1, params, want_buffers, hyper, 0.1, True)
+    got = kernels.cbn_plan(mean, var, count, weight, bias, eta, got_buffers, -1, hyper, 0.1)
+    want = cbn_plan_composite(mean, var, count, None, weight, bias, eta, want_buffers, -1, hyper, 0.1, True)
     pairs = [*zip(got, want), *zip(got_buffers, want_buffers),
              *zip(kernels.backward_sums(mean, var, weight, bias, want[4], 0.5),
                   backward_sums_composite(mean, var, weight, bias, want[4], 0.5))]

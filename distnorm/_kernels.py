@@ -132,35 +132,37 @@ def _launch(name: str, device: torch.device, call: Callable[[ModuleType], tuple]
 _STATISTICS = (0, 1, 3, 4)
 
 
-def _triton_takes_plan(moments: Sequence[Tensor], host_count: int, params: Sequence[Tensor],
-                       buffers: Sequence[Tensor]) -> bool:
+def _triton_takes_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], params: Sequence[Optional[Tensor]],
+                       buffers: Sequence[Tensor], host_count: int) -> bool:
     """The Triton kernel's cases: float32 statistics and buffers, contiguous vectors, every
     tensor on the statistics' device, and a host count only when the batch is valid (the
     degenerate local case keeps the composite). The same answer on every rank of a group:
     it reads shapes, dtypes and devices, which the ranks share."""
-    mean, var, *device = moments
-    count = device[:1]  # [count] with a device count, else []
     statistics = [buffers[i] for i in _STATISTICS]
     return (mean.dtype == torch.float32 and all(b.dtype == torch.float32 for b in statistics)
-            and all(v.is_contiguous() for v in (mean, *statistics, *count)) and (bool(count) or host_count > 1)
-            and _on_one_device(mean, var, *count, *params, *buffers))
+            and all(v.is_contiguous() for v in (mean, *statistics)) and (count.is_contiguous() if count is not None
+                                                                         else host_count > 1)
+            and _on_one_device(mean, var, count, *params, *buffers))
 
 
-def cbn_plan(moments: list[Tensor], host_count: int, params: list[Tensor], buffers: list[Tensor], hyper: list[float],
-             momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                                 Tensor]:
+def cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor, bias: Tensor,
+             eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float], momentum: Optional[float],
+             amat_ready: bool, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The kernel of ``distnorm::cbn_plan``: :func:`~distnorm._composite.cbn_plan_composite`
     (its arguments and the maths), or where it takes the case, for ``kernel="triton"`` the
     Triton kernel, for ``kernel="cpu"`` the C kernel of :mod:`distnorm._cpu_kernels` (the same
     cases, on the CPU); ``"composite"``: the composite. ``kernel`` is what the layer's group
     agreed (:func:`distnorm._kernel_choice.kernel_choice`)."""
-    if kernel == "triton" and _triton_takes_plan(moments, host_count, params, buffers):
-        return _launch("cbn_plan", moments[0].device,
-                       lambda k: k.cbn_plan(moments, host_count, params, buffers, hyper, momentum))
-    if (kernel == "cpu" and moments[0].device.type == "cpu" and _triton_takes_plan(moments, host_count, params, buffers)
+    # The kernels compute a device count's validity themselves (count > 1): no `valid` for them.
+    if kernel == "triton" and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count):
+        return _launch("cbn_plan", mean.device, lambda k: k.cbn_plan(mean, var, count, weight, bias, eta, buffers,
+                                                                     host_count, hyper, momentum))
+    if (kernel == "cpu" and mean.device.type == "cpu"
+            and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count)
             and buffers[2].dtype == torch.bool and buffers[5].dtype == torch.int64):
-        return _cpu_kernels.cbn_plan(moments, host_count, params, buffers, hyper, momentum)
-    return cbn_plan_composite(moments, host_count, params, buffers, hyper, momentum, amat_ready)
+        return _cpu_kernels.cbn_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
+    return cbn_plan_composite(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum,
+                              amat_ready)
 
 
 def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor, inv_rho: float,

@@ -55,8 +55,8 @@ def _define(name: str, kernel: Callable, fake: Callable, mutates: tuple[str, ...
 
 
 # The per-channel steps (kernels: distnorm._kernels).
-def _cbn_plan_fake(moments: list[Tensor], *_: Any) -> tuple[Tensor, ...]:
-    vec, channels = moments[0].new_empty, moments[0].shape[0]
+def _cbn_plan_fake(mean: Tensor, *_: Any) -> tuple[Tensor, ...]:
+    vec, channels = mean.new_empty, mean.shape[0]
     return vec(channels), vec(channels), vec(channels), vec(channels), vec(2, 2, channels), vec(channels)
 
 

@@ -92,14 +92,12 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     write a wrong AMAT mean (bench/results/gpu-2026-11-28-c-diagnostics.md)."""
     group = state.group()
     count, mean, var, valid = _moments.traced_moments(x.detach(), group, state.name)
-    if isinstance(count, int):
-        host_count, moments = count, [mean, var]
-    else:
-        host_count, moments = -1, [mean, var, count] if valid is True else [mean, var, count, valid]
-    params = [weight.detach(), bias.detach()] + ([eta] if state.amat else [])
+    host_count, device_count, device_valid = (count, None, None) if isinstance(count, int) else (
+        -1, count, None if valid is True else valid)
     hyper = [float(state.eps), float(state.rho), float(state.r_max)]
     amat_before = _ops.snapshot(list(buffers[:3])) if state.amat else None
-    plan = cbn_plan_composite(moments, host_count, params, list(buffers), hyper, state.momentum,
+    plan = cbn_plan_composite(mean, var, device_count, device_valid, weight.detach(), bias.detach(),
+                              eta if state.amat else None, list(buffers), host_count, hyper, state.momentum,
                               amat_ready=False, amat_before=amat_before)
     if state.stats_sink is not None:  # the theory monitors' references (distnorm.monitors)
         state.stats_sink.update(mean=mean, var=var, center=plan[0], eps=state.eps)

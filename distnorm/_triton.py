@@ -172,12 +172,11 @@ def _block(channels: int) -> int:
     return min(BLOCK, max(16, triton.next_power_of_2(max(channels, 1))))
 
 
-def cbn_plan(moments, host_count, params, buffers, hyper, momentum, kernels=KERNELS):
+def cbn_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum, kernels=KERNELS):
     """The CUDA kernel of ``distnorm::cbn_plan`` (the arguments of
-    :func:`distnorm._composite.cbn_plan_composite`; float32 accumulation; valid host counts)."""
-    mean, var, *device = moments  # a device count's mask is the kernel's own (count > 1)
-    count = device[0] if device else None
-    weight, bias, *eta = (p.contiguous() for p in params)
+    :func:`distnorm._composite.cbn_plan_composite` less ``valid``, a device count's mask being
+    the kernel's own, ``count > 1``; float32 accumulation; valid host counts)."""
+    weight, bias = weight.contiguous(), bias.contiguous()
     eps, rho, r_max = hyper
     channels = mean.shape[0]
     empty = lambda *shape: torch.empty(shape, dtype=mean.dtype, device=mean.device)  # noqa: E731
@@ -186,11 +185,11 @@ def cbn_plan(moments, host_count, params, buffers, hyper, momentum, kernels=KERN
     n = float(max(host_count, 1))  # a host count is valid here (> 1); the guard is the composite's
     with _on(mean.device):
         kernels["cbn_plan"][(1,)](
-            mean, var, count if count is not None else mean, weight, bias, eta[0] if eta else mean, *buffers,
+            mean, var, count if count is not None else mean, weight, bias, eta if eta is not None else mean, *buffers,
             center, var_u, invstd, a, grad_coef, beta_coef,
             channels, n, host_count / max(host_count - 1, 1), eps,
             0.0 if momentum is None else momentum, 1.0 / rho, 1.0 / r_max, r_max,
-            HISTORY=bool(eta), DEVICE_COUNT=count is not None, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
+            HISTORY=eta is not None, DEVICE_COUNT=count is not None, CUMULATIVE=momentum is None, SCALE_A=rho != 1.0,
             BLOCK_C=_block(channels),
         )
     return center, var_u, invstd, a, grad_coef, beta_coef

@@ -54,16 +54,15 @@ def _plan_args(*, history, device_count=False, masked=False, initialized=True, m
     weight, bias = (torch.rand(c, generator=g) + 0.5).to(param_dtype), (torch.randn(c, generator=g) * 0.3).to(param_dtype)
     buffers = [torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5, torch.tensor(initialized),
                torch.randn(c, generator=g), torch.rand(c, generator=g) + 0.5, torch.tensor(3)]
-    moments = [mean, var]
-    if device_count:
-        count = torch.full((c,), 1.0 if masked else 512.0)
-        moments += [count, count > 1] if masked else [count]
-    params = [weight, bias, torch.tensor(0.6)] if history else [weight, bias]
-    return ([to(m) for m in moments], -1 if device_count else 512, [to(p) for p in params], [to(b) for b in buffers],
-            [1e-5, rho, r_max], momentum, False)
+    count = torch.full((c,), 1.0 if masked else 512.0) if device_count else None
+    valid = count > 1 if masked else None
+    eta = torch.tensor(0.6) if history else None
+    maybe = lambda t: to(t) if t is not None else None  # noqa: E731
+    return (to(mean), to(var), maybe(count), maybe(valid), to(weight), to(bias), maybe(eta), [to(b) for b in buffers],
+            -1 if device_count else 512, [1e-5, rho, r_max], momentum, False)
 
 
-BUFFERS = 3  # where the buffers are among the arguments
+BUFFERS = 7  # where the buffers are among the arguments
 
 
 def _op_args(args: tuple, kernel: str) -> tuple:
@@ -130,8 +129,11 @@ def interpreted():
 
 
 def _run_plan_kernel(triton_module, args: tuple) -> tuple:
-    *kernel_args, _amat_ready = args
-    return triton_module.cbn_plan(*kernel_args, kernels=triton_module.KERNELS)
+    """The Triton kernel on the composite's arguments (less ``valid``, which it computes, and
+    ``amat_ready``)."""
+    mean, var, count, _valid, weight, bias, eta, buffers, host_count, hyper, momentum, _amat_ready = args
+    return triton_module.cbn_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum,
+                                  kernels=triton_module.KERNELS)
 
 
 # numpy's warnings about the masked step's n / (n - 1) = inf, which the kernel discards
@@ -319,8 +321,8 @@ def test_triton_takes_only_tensors_on_the_statistics_device():
     mean, buffers = meta(C), [meta(C), meta(C), meta(()), meta(C), meta(C), meta(())]
     assert _kernels._on_one_device(mean, None, *buffers, meta(C), meta(()))
     assert not _kernels._on_one_device(mean, None, *buffers, torch.tensor(0.5))
-    assert _kernels._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), meta(())], buffers)
-    assert not _kernels._triton_takes_plan([mean, meta(C)], 512, [meta(C), meta(C), torch.tensor(0.5)], buffers)
+    assert _kernels._triton_takes_plan(mean, meta(C), None, [meta(C), meta(C), meta(())], buffers, 512)
+    assert not _kernels._triton_takes_plan(mean, meta(C), None, [meta(C), meta(C), torch.tensor(0.5)], buffers, 512)
 
 
 def test_operators_are_well_formed_for_torch_compile():

@@ -210,6 +210,47 @@ def test_operators_are_called_only_through_the_room_that_declares_them():
             assert "distnorm._ops" in graph[module], module
 
 
+def test_a_layer_step_walks_down_module_functional_operators_collectives():
+    """The path of a training step, in one direction: the layers call ``functional`` (never
+    the operators, no closure), ``functional`` the step (``_functions``), which calls the
+    collectives, the group's kernel choice and the one operator module, ``_ops``, which alone
+    declares operators (one ``torch.library.Library``). Bugs caught: the layers handing
+    ``functional`` a closure over the operators (the code before: layer -> functional -> back
+    up into the layer's lambda -> _ops -> _functions); operators declared in two modules
+    (``_ops`` with ``custom_op``, the kernels' module with a ``Library``); an operator
+    signature of 21 names; a list whose length said what it held (``moments`` as ``[mean,
+    var]``, ``[mean, var, count]`` or ``[mean, var, count, valid]``)."""
+    import inspect
+
+    from distnorm import layers
+
+    graph, _ = _graph()
+    assert "distnorm.functional" in graph["distnorm.layers"]
+    assert not {"distnorm._functions", "distnorm._ops", "distnorm._kernels"} & graph["distnorm.layers"]
+    assert "distnorm._functions" in graph["distnorm.functional"]
+    assert {"distnorm._collectives", "distnorm._kernel_choice", "distnorm._ops"} <= graph["distnorm._functions"]
+    assert not {"distnorm.functional", "distnorm.layers"} & graph["distnorm._functions"]
+    assert "distnorm._functions" not in _reaches(graph, "distnorm._ops")
+    for path in sorted(PACKAGE.rglob("*.py")):
+        declares = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+                    and node.attr in ("Library", "custom_op") and ast.unparse(node.value) == "torch.library"]
+        assert len(declares) == (1 if path == PACKAGE / "_ops.py" else 0), path
+    tree = ast.parse(inspect.getsource(layers))
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Lambda)]  # no closure handed down
+    # the compiled path: traced below the step's module, never back up into it
+    assert "distnorm._traced" in graph["distnorm._functions"]
+    assert not {"distnorm._functions", "distnorm.functional", "distnorm.layers"} & graph["distnorm._traced"]
+    # No length-coded list: what may be absent is a named optional tensor, and the one list of
+    # tensors is the layer's buffers (one meaning per position, CBNBuffers' order).
+    for name in ("cbn_plan", "backward_sums"):
+        schema = getattr(torch.ops.distnorm, name).default._schema
+        lists = [arg.name for arg in schema.arguments if str(arg.type).startswith("List[Tensor]")]
+        assert lists == (["buffers"] if name == "cbn_plan" else []), schema
+    optional = {arg.name for arg in torch.ops.distnorm.cbn_plan.default._schema.arguments
+                if str(arg.type) == "Optional[Tensor]"}
+    assert optional == {"count", "valid", "eta"}
+
+
 def test_specs_build_every_layer_and_convert_goes_through_them():
     """Bugs caught: convert building SyncBatchNorm / GroupNorm itself with defaults of its
     own; GroupNorm's 32 groups hidden in code."""
