@@ -5,9 +5,9 @@ synchronize over (``None`` means "run locally") and for the packed reductions. K
 collectives in one place makes the per-step communication easy to audit:
 
 * forward of a synchronized layer: :func:`all_reduce_sum` of the ``(3, C)`` float64
-  statistics payload (:func:`distnorm._moments.global_moments`); at a group's first
-  CBN / BN step the count row also carries the ranks' vote on the kernels
-  (:mod:`distnorm._kernel_choice`), in the same values;
+  statistics payload (:func:`distnorm._moments.global_moments`); once per group and device
+  type, before its first statistics, one more of the ranks' votes on the kernels (four
+  numbers, :mod:`distnorm._kernel_choice`);
 * backward: :func:`all_reduce_sum` — ONE all-reduce of the ``(2, C)`` per-channel gradient
   sums;
 * each of these travels in a frame (:mod:`distnorm._frames`): one size for every distnorm

@@ -9,9 +9,10 @@ registers with :func:`register_engine` when imported:
   after wrapping would be neither synchronized nor optimized);
 * ``follow`` — how :meth:`DistNormPlugin.follow` reads the learning rate from such an engine;
 * ``partitioned`` — which parameters the engine keeps as one shard per rank (left out of
-  :func:`distnorm.check_consistency`, which compares replicated state only);
-* ``checkpoint`` / ``restore`` — how the plugin's state rides in the engine's own
-  checkpoints, through the engine's own hook (the integration calls them; the core never does).
+  :func:`distnorm.check_consistency`, which compares replicated state only).
+
+How the plugin's state rides in an engine's own checkpoints is the integration's own code
+(its module's functions, called by the script or the engine's hook); the core never calls it.
 
 An integration is found by its library's name, as a trainer's strategy registry finds a strategy by its
 name: an object whose class comes from library ``L`` makes the registry import

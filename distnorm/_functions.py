@@ -10,10 +10,10 @@ plus per-channel vectors, and never reads a tensor on the host:
 statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
     1. :func:`distnorm._moments.global_moments`: local moments (ATen's statistics
        kernel; on the CPU ``distnorm::batch_norm_update_stats``, the same arithmetic in
-       fewer cycles: :mod:`distnorm._cpu_kernels`), ONE all-reduce
-       (at a group's first step its counts also carry the ranks' vote on the kernels —
-       Triton's per-channel operators, the CPU's C kernels — so every rank runs the same
-       ones: :mod:`distnorm._kernel_choice`; that step's statistics are ATen's on every rank).
+       fewer cycles: :mod:`distnorm._cpu_kernels`), ONE all-reduce (before a group's first
+       statistics, one more, once: the ranks' vote on the kernels — Triton's per-channel
+       operators, the CPU's C kernels — so every rank runs the same ones:
+       :mod:`distnorm._kernel_choice`).
     2. Per-channel algebra in the accumulation dtype (float32, float64 for float64 input):
        the statistics the output uses, and the coefficients of the backward below (for
        CBN one operator, ``distnorm::cbn_plan``).

@@ -3,13 +3,13 @@
 The per-channel operators have three implementations (:mod:`distnorm._kernels`: the ATen
 composite, Triton on CUDA, C on the CPU) that differ by a few ulp, so **every rank of a
 synchronized layer's group must run the same one**, or the buffers that are meant to be
-identical on every rank drift apart. The group agrees once, through the all-reduce a layer
-already issues: at the group's first synchronized CBN / BN / BNP step on a device type (of a
-layer of more than 4 channels), each rank votes (:func:`triton_vote`: Triton works here /
-failed / neither; and on the CPU, whether its C kernels are on and build:
-:func:`cpu_kernel_decision`), the vote rides in the values of that all-reduce (added to the
-counts and taken out again, exactly: no byte more), and every rank reads the same sums
-(:func:`triton_decision`). Until then the group runs the composite, on every rank alike.
+identical on every rank drift apart. The group agrees once, with one collective of its own:
+at the group's first synchronized CBN / BN / BNP step on a device type, before its
+statistics, each rank votes (:func:`triton_vote`: Triton works here / failed / neither; and
+on the CPU, whether its C kernels are on and build: :func:`cpu_kernel_decision`), one
+all-reduce of those four numbers sums the votes (a checked frame, :mod:`distnorm._frames`),
+and every rank reads the same sums (:func:`triton_decision`) and keeps the answer
+(:func:`kernels_of`). That first step runs the kernels agreed, as every later one does.
 
 * every rank works: Triton, on every rank;
 * a rank's Triton failed (it imports but cannot build or launch a kernel -- no C compiler or
@@ -147,10 +147,6 @@ def _failure(reason: str) -> RuntimeError:
         "kernel launches).")
 
 
-#: The entries of a rank's vote (:func:`triton_vote`); a layer needs more channels than this.
-_VOTE_ENTRIES = 4
-
-
 def _cpu_kernel_verdict(device: torch.device) -> tuple[int, str]:
     """This rank's CPU kernels: ``(_OK, "")``, ``(_OFF, why)`` (``DISTNORM_CPU_KERNEL=0``, or
     not a CPU device) or ``(_FAILED, error)`` (the C kernels cannot be built or loaded here:
@@ -166,22 +162,19 @@ def _cpu_kernel_verdict(device: torch.device) -> tuple[int, str]:
     return _OK, ""
 
 
-def triton_vote(group: ProcessGroup | None, device: torch.device, channels: int) -> Optional[Tensor]:
+def triton_vote(group: ProcessGroup | None, device: torch.device) -> Optional[Tensor]:
     """This rank's vote as a float64 ``[ok, failed, cpu_kernel_off, cpu_kernel_failed]`` on
     ``device`` (``ok = failed = 0``: Triton not wanted or not here; ``cpu_kernel_off``:
     ``DISTNORM_CPU_KERNEL=0`` here; ``cpu_kernel_failed``: the C kernels of
-    :mod:`distnorm._cpu_kernels` cannot be built here), to be summed over ``group`` by the
-    statistics' all-reduce of a layer of ``channels`` channels; or ``None`` when there is
-    nothing to agree or no room: no group, the group agreed already for this device type, or
-    at most 4 channels (the vote rides on the counts,
-    :func:`distnorm._moments.global_moments`). Every rank of a group gets ``None`` or a
-    tensor at the same call — what decides it is the same on every rank. A CPU rank builds
-    its C kernels here, before it uses them: a rank that cannot is named by every rank at
-    this collective instead of raising alone before it."""
-    if group is None or channels <= _VOTE_ENTRIES or _agreed(group, device.type) is not None:
+    :mod:`distnorm._cpu_kernels` cannot be built here), to be summed over ``group``; or
+    ``None`` when there is nothing to agree: no group, or the group agreed already for this
+    device type. Every rank of a group gets ``None`` or a tensor at the same call — what
+    decides it is the same on every rank. A CPU rank builds its C kernels here, before it
+    uses them: a rank that cannot is named by every rank at the vote's collective instead of
+    raising alone before it."""
+    if group is None or _agreed(group, device.type) is not None:
         return None
-    _capture.refuse_capture(device, "the group's first synchronized step, whose all-reduce carries the ranks' "
-                                        "vote on the kernels,")
+    _capture.refuse_capture(device, "the group's first synchronized step (its vote on the kernels)")
     verdict = _local_verdict(device)[0]
     cpu = _cpu_kernel_verdict(device)[0]
     off = device.type == "cpu" and cpu == _OFF
@@ -196,9 +189,7 @@ def cpu_kernel_decision(group: ProcessGroup | None, device: torch.device) -> boo
     Without a group: this process's own setting (``DISTNORM_CPU_KERNEL``; a kernel that
     cannot be built raises at its first use, on this rank only, as no other rank computes
     with it). With a group: what the group agreed at its first step on this device type
-    (:func:`triton_decision`) — ATen's kernels before that step's collective, the voting
-    step included, and in a group that never votes (all of its layers of at most 4
-    channels), on every rank alike."""
+    (:func:`triton_decision`); ATen's kernels before that vote, on every rank alike."""
     if device.type != "cpu":
         return False
     if group is None:
@@ -209,17 +200,16 @@ def cpu_kernel_decision(group: ProcessGroup | None, device: torch.device) -> boo
 def synced_moments(x: Tensor, group: ProcessGroup | None, layer: str, state: Any) -> _moments.Moments:
     """A synchronized layer's statistics (:func:`distnorm._moments.global_moments`) with
     the group's agreement on the kernels: at the group's first step on ``x``'s device type the
-    ranks' votes (:func:`triton_vote`) ride on that all-reduce, whose local statistics are then
-    ATen's on every rank (nothing is agreed yet), and every rank decides right after it
-    (:func:`triton_decision`, raising alike where a rank's kernels failed); later steps run the
-    kernels agreed (:func:`kernels_of` the layer's ``state``; ``layer``: its name in errors). The
-    one way every layer (CBN, BN, BNP) enters its statistics step."""
-    votes = triton_vote(group, x.device, x.shape[1])
-    moments = _moments.global_moments(x, group, layer=layer, piggyback=votes,
-                                      cpu_kernel=kernels_of(state, group, x.device).cpu)
+    ranks' votes (:func:`triton_vote`) are summed by one all-reduce of their own, and every
+    rank decides from the same sums (:func:`triton_decision`, raising alike where a rank's
+    kernels failed) before the statistics, which run the kernels agreed from that step on
+    (:func:`kernels_of` the layer's ``state``; ``layer``: its name in errors). The one way
+    every layer (CBN, BN, BNP) enters its statistics step."""
+    votes = triton_vote(group, x.device)
     if votes is not None:
+        _collectives.all_reduce_sum(votes, group, slot=f"{layer}|kernel vote", shape=(x.shape[1], x.dtype))
         triton_decision(group, x.device, votes)
-    return moments
+    return _moments.global_moments(x, group, layer=layer, cpu_kernel=kernels_of(state, group, x.device).cpu)
 
 
 class Kernels(NamedTuple):

@@ -86,7 +86,7 @@ def _scratch(channels: int, device: torch.device) -> tuple[torch.Tensor, torch.T
 
 
 def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = "",
-                   training: bool = True, piggyback: torch.Tensor | None = None, cpu_kernel: bool = False) -> Moments:
+                   training: bool = True, cpu_kernel: bool = False) -> Moments:
     """Per-channel count, mean and biased variance of ``x`` over every rank of ``group``.
 
     Local (``group is None``): the Welford statistics of :func:`local_moments`, count known
@@ -102,14 +102,6 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
     tensor), which is what keeps every buffer derived from it bit-identical without
     broadcasts. Ranks that hold more than one value per channel know the global batch is
     valid without reading the count; the others get the mask as a tensor.
-
-    ``piggyback``: a float64 ``(k,)`` tensor of small integers on ``x``'s device, ``k < C``,
-    summed over the group in the same all-reduce and overwritten with the sums — how a group
-    agrees once on something without a collective of its own, or a byte more
-    (:func:`distnorm._kernel_choice.triton_vote`). It rides on the count row, whose ``C`` entries are
-    copies of one integer: entry ``i`` is added to channel ``i``'s count and taken out again
-    after the reduction from channel ``k``'s, exactly (integers below ``2**53`` in float64).
-    Every rank must pass one at the same call, or none.
 
     ``cpu_kernel``: the local moments of a CPU tensor come from distnorm's C kernel
     (:func:`local_moments`); every rank of ``group`` must pass the same value, which
@@ -130,13 +122,7 @@ def global_moments(x: torch.Tensor, group: ProcessGroup | None, *, layer: str = 
         return Moments(local_count, mean, var, local_count > 1)
 
     packed = _packed(local_moments(x, cpu_kernel) if local_count > 0 else None, local_count, channels, x.device)
-    if piggyback is not None:
-        k = piggyback.numel()
-        packed[2, :k] += piggyback
     all_reduce_sum(packed, group, slot=f"{layer}|forward|C={channels}|{x.dtype}", shape=(channels, x.dtype))
-    if piggyback is not None:
-        torch.sub(packed[2, :k], packed[2, k], out=piggyback)
-        packed[2, :k] = packed[2, k]
     if _debug.is_debug():
         _check_statistics(packed[:2], layer, training, float(packed[2, 0]) if channels else 0.0)
     return _unpacked(packed, local_count, acc)

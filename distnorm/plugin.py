@@ -17,9 +17,10 @@
 4. ``state_dict()`` / ``load_state_dict()`` for the engines' checkpointing.
 
 Nothing here names an engine: what differs between engines (which types wrap a model, how
-``follow`` reads one, which parameters it partitions, how the plugin's state rides in its
-checkpoints) is one :class:`~distnorm._engines.Engine` per engine, registered by its module
-under :mod:`distnorm.integrations`.
+``follow`` reads one, which parameters it partitions) is one
+:class:`~distnorm._engines.Engine` per engine, registered by its module under
+:mod:`distnorm.integrations`, whose functions also carry the plugin's state in the engine's
+own checkpoints.
 """
 
 from __future__ import annotations

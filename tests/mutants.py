@@ -1268,14 +1268,6 @@ MUTANTS: list[Mutant] = [
         "        _CPU_KERNEL_AGREED[group] = False\n",
         ("tests/test_fused.py::test_synchronized_layers_run_the_c_kernels_once_the_group_agreed",),
     ),
-    Mutant(
-        "kernels-kept-before-the-vote",
-        "a layer keeps its kernels from the group's agreement on, not the ATen kernels of the voting step",
-        "distnorm/_kernel_choice.py",
-        "    if group is None or _agreed(group, device.type) is not None:\n",
-        "    if True:\n",
-        ("tests/test_fused.py::test_synchronized_layers_run_the_c_kernels_once_the_group_agreed",),
-    ),
     # ------------------------------------------------------------------------ exit
     Mutant(
         "kernels-hold-their-group",

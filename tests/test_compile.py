@@ -439,8 +439,8 @@ def test_what_cannot_be_captured_is_refused_naming_what_works(monkeypatch):
         layer = distnorm.CBN(8)
         distnorm.set_lr(layer, 0.05)
         capture(True)
-        with pytest.raises(RuntimeError, match=r"(?s)first synchronized step, whose all-reduce carries the ranks' "
-                                               r"vote.*reads the device on the host.*Run one training step before "
+        with pytest.raises(RuntimeError, match=r"(?s)first synchronized step \(its vote on the kernels\) "
+                                               r"reads the device on the host.*Run one training step before "
                                                r"capturing"):
             layer(torch.randn(6, 8))
         capture(False)

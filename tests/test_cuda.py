@@ -4,9 +4,8 @@ sharing it), an NCCL world of one rank that keeps its collectives (the test swit
 ``DISTNORM_SYNC_ONE_RANK``, :func:`distnorm._collectives.keep_one_rank_groups`), and the
 frames' deferred check (pinned copies, event polling). Skipped cleanly on machines without
 CUDA (as on CI); the same assertions as the CPU tests, with float32 tolerances where the GPU
-kernels accumulate differently. The group cases have 8 channels, more than the kernel
-vote's entries (``_kernel_choice._VOTE_ENTRIES``), so their group agrees on Triton, and they count
-the Triton kernels that ran. Every CUDA test is marked ``cuda`` (what ``make test-gpu``
+kernels accumulate differently. The group cases have 8 channels, and they count the
+Triton kernels that ran (the group agrees on Triton at its first step). Every CUDA test is marked ``cuda`` (what ``make test-gpu``
 selects); the tests here without it are CPU twins, which run in ``make test`` and check the
 same comparison on the CPU."""
 
@@ -102,10 +101,9 @@ def test_cuda_cbn_matches_reference_over_steps():
         torch.testing.assert_close(m.amat_var.cpu(), state.amat_var, atol=1e-10, rtol=0)
 
 
-#: Channels of the group cases: more than the entries of the group's kernel vote
-#: (``_kernel_choice._VOTE_ENTRIES``), so that the group agrees on its kernels and runs Triton on a GPU.
+#: Channels of the group cases (more than 4: before 2026-11-29 the group's vote rode on the
+#: counts of a layer of more than 4 channels, and 3-channel cases never ran Triton in a group).
 C = 8
-assert C > _kernel_choice._VOTE_ENTRIES
 KINDS = ("cbn", "popnorm", "syncbn")
 GAMMA = torch.linspace(0.7, 1.3, C, dtype=torch.float64)
 BETA = torch.linspace(-0.4, 0.2, C, dtype=torch.float64)

@@ -499,7 +499,7 @@ def _cpu_kernel_setting_worker(rank: int, world: int) -> str:
 @pytest.mark.world_size(2)
 def test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank(tmp_path):
     """``DISTNORM_CPU_KERNEL=0`` on one rank only would round the backward's element-wise pass
-    differently there: the group's first step (its kernel vote, in the statistics all-reduce)
+    differently there: the group's first step (its kernel vote, before the statistics)
     raises on every rank, naming each rank's setting. Bug caught: the setting read per rank."""
     from tests.distributed import run_distributed
 
@@ -529,9 +529,8 @@ def _no_compiler_worker(rank: int, world: int, cache: str) -> str:
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(120)
 def test_a_rank_without_a_c_compiler_is_named_by_every_rank_at_the_first_step(tmp_path):
-    """A rank whose C kernels cannot be built votes so at the group's first step, which runs
-    ATen's statistics on every rank: both ranks raise at that collective, naming rank 1 and
-    the fix. Bug caught: the kernels built at their first use — rank 1 raised before the
+    """A rank whose C kernels cannot be built votes so at the group's first step, before any
+    kernel runs: both ranks raise at the vote's collective, naming rank 1 and the fix. Bug caught: the kernels built at their first use — rank 1 raised before the
     statistics all-reduce and rank 0 waited in it until the group's timeout."""
     from tests.distributed import run_distributed
 
@@ -559,13 +558,12 @@ def _kernels_per_step_worker(rank: int, world: int) -> list[list[str]]:
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(120)
 def test_synchronized_layers_run_the_c_kernels_once_the_group_agreed(tmp_path):
-    """The group's first synchronized call (its vote) runs ATen's statistics; every later one,
-    the second layer of that step included, the C kernels of distnorm._cpu_kernels (statistics
-    and the backward's element-wise pass), on every rank. Bug caught: the agreement never
+    """The group's first synchronized call votes on the kernels before its statistics, so
+    that call and every later one run the C kernels of distnorm._cpu_kernels (statistics and
+    the backward's element-wise pass), on every rank. Bug caught: the agreement never
     recorded — every synchronized CPU step on ATen's slower kernels, which no value would show."""
     from tests.distributed import run_distributed
 
     ours = ["distnorm.batch_norm_update_stats.default", "distnorm.batch_norm_backward_elemt.default"]
     for rank, (first, second) in enumerate(run_distributed(_kernels_per_step_worker, 2, tmp_path, timeout=90)):
-        assert first == ["aten.batch_norm_update_stats.default", ours[0], *ours[1:] * 2], (rank, first)
-        assert second == [ours[0]] * 2 + [ours[1]] * 2, (rank, second)
+        assert first == second == [ours[0]] * 2 + [ours[1]] * 2, (rank, first, second)

@@ -208,6 +208,8 @@ def test_sub_group_process_group(tmp_path):
 # sum(g * xhat) travel in a frame of the same size), then 2 fingerprint entries per rank.
 FORWARD = [("allreduce_", ((3 * 5 + 2 * 2,),))]
 BACKWARD = FORWARD
+#: The group's vote on the kernels: once per group and device type, before its first statistics.
+VOTE = FORWARD
 
 
 def _phases(layer: nn.Module, counter: CollectiveCounter, conv: nn.Module | None = None) -> dict:
@@ -247,15 +249,18 @@ def _count_worker(rank, world):
 @pytest.mark.world_size(2)
 def test_one_collective_forward_one_backward(tmp_path):
     """Every collective of any kind (all-reduce, broadcast, all-gather, barrier, object
-    collectives) on every rank, in every phase. Bug caught: an extra ``dist.broadcast`` in
-    the synchronized forward (a wrapper around ``dist.all_reduce`` missed it)."""
+    collectives) on every rank, in every phase: one all-reduce forward and one backward, and
+    once per group, before the first layer's first statistics, the ranks' vote on the kernels.
+    Bug caught: an extra ``dist.broadcast`` in the synchronized forward (a wrapper around
+    ``dist.all_reduce`` missed it)."""
     per_rank = run_distributed(_count_worker, 2, tmp_path)
     assert per_rank[0] == per_rank[1]
     for rank, counts in enumerate(per_rank):
         for name in ("CBN", "POPNorm", "SyncBatchNorm"):
             phases = counts[name]
-            for phase in ("first", "amat_initialised"):  # "first" of CBN: the group's vote rides along
-                assert phases[phase] == (FORWARD, BACKWARD), (rank, name, phase, phases[phase])
+            for phase in ("first", "amat_initialised"):  # CBN's first step is the group's first: its vote
+                forward = VOTE + FORWARD if (name, phase) == ("CBN", "first") else FORWARD
+                assert phases[phase] == (forward, BACKWARD), (rank, name, phase, phases[phase])
             assert phases["input_needs_no_grad"] == (FORWARD, []), (rank, name, phases["input_needs_no_grad"])
             assert phases["eval"] == ([], []), (rank, name)
         # BNP: the statistics of the layer's input in the forward; the backward only rescales

@@ -10,7 +10,8 @@ before sharding, then ``DistNormPlugin.follow(optimizer)`` (see ``docs/guides/fs
 
 Each module is named after its engine's library and registers, once, everything distnorm
 knows about that engine as one :class:`distnorm._engines.Engine` (its ``ENGINE``): the
-types that wrap a model, how the plugin follows the engine, which parameters it partitions,
-and how the plugin's state rides in the engine's own checkpoints. An object of the library
+types that wrap a model, how the plugin follows the engine and which parameters it
+partitions; the module's own functions carry the plugin's state in the engine's own
+checkpoints. An object of the library
 met by distnorm loads the module by that name, so a new engine is one new module here.
 """
