@@ -5,7 +5,9 @@ Each per-channel operator (``distnorm::cbn_plan``, ``distnorm::backward_sums``, 
 (:mod:`distnorm._composite`, the reference, on every device), one Triton kernel
 (:mod:`distnorm._triton`, CUDA) and one C kernel (:mod:`distnorm._cpu_kernels`, the CPU),
 the last two for the cases they take -- float32 accumulation, buffers of that dtype, a host
-count only when the batch is valid. The operator's last argument names the one the layer's
+count only when the batch is valid. Each is registered under its dispatch key
+(:mod:`distnorm._ops`): the composite for every device, the CPU's and CUDA's own
+implementations under ``CPU`` and ``CUDA``, each checking the cases it takes. The operator's last argument names the one the layer's
 group agreed on (:mod:`distnorm._kernel_choice`): the three are not bit-identical (``rsqrt``
 / division rounding and FMA contraction differ by a few ulp), so every rank of a group runs
 the same one. A case a kernel does not take runs the composite, on every rank alike (the
@@ -33,7 +35,8 @@ from torch import Tensor
 from distnorm import _cpu_kernels
 from distnorm._composite import backward_sums_composite, cbn_plan_composite
 
-__all__ = ["MODES", "backward_sums", "cbn_plan", "interpreted_kernels", "kernels_for", "load_interpreted", "mode"]
+__all__ = ["MODES", "backward_sums", "backward_sums_cpu", "backward_sums_cuda", "cbn_plan", "cbn_plan_cpu", "cbn_plan_cuda",
+           "interpreted_kernels", "kernels_for", "load_interpreted", "mode"]
 
 
 #: The values of ``DISTNORM_TRITON``.
@@ -148,32 +151,68 @@ def _triton_takes_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], param
 def cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor, bias: Tensor,
              eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float], momentum: Optional[float],
              amat_ready: bool, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The kernel of ``distnorm::cbn_plan``: :func:`~distnorm._composite.cbn_plan_composite`
-    (its arguments and the maths), or where it takes the case, for ``kernel="triton"`` the
-    Triton kernel, for ``kernel="cpu"`` the C kernel of :mod:`distnorm._cpu_kernels` (the same
-    cases, on the CPU); ``"composite"``: the composite. ``kernel`` is what the layer's group
-    agreed (:func:`distnorm._kernel_choice.kernel_choice`)."""
-    # The kernels compute a device count's validity themselves (count > 1): no `valid` for them.
-    if kernel == "triton" and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count):
-        return _launch("cbn_plan", mean.device, lambda k: k.cbn_plan(mean, var, count, weight, bias, eta, buffers,
-                                                                     host_count, hyper, momentum))
-    if (kernel == "cpu" and mean.device.type == "cpu"
-            and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count)
-            and buffers[2].dtype == torch.bool and buffers[5].dtype == torch.int64):
-        return _cpu_kernels.cbn_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
+    """``distnorm::cbn_plan`` on every device (``CompositeExplicitAutograd``): the composite,
+    :func:`~distnorm._composite.cbn_plan_composite` (its arguments and the maths). ``kernel``,
+    what the layer's group agreed (:func:`distnorm._kernel_choice.kernel_choice`), is read by
+    the CPU's and CUDA's own implementations (:func:`cbn_plan_cpu`, :func:`cbn_plan_cuda`)."""
     return cbn_plan_composite(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum,
                               amat_ready)
 
 
+def cbn_plan_cuda(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor,
+                  bias: Tensor, eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float],
+                  momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, ...]:
+    """``distnorm::cbn_plan`` on CUDA: the Triton kernel where the group agreed on it
+    (``kernel="triton"``) and it takes the case (it computes a device count's validity itself,
+    ``count > 1``: no ``valid``), else the composite."""
+    if kernel == "triton" and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count):
+        return _launch("cbn_plan", mean.device, lambda k: k.cbn_plan(mean, var, count, weight, bias, eta, buffers,
+                                                                     host_count, hyper, momentum))
+    return cbn_plan(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum, amat_ready, kernel)
+
+
+def cbn_plan_cpu(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor,
+                 bias: Tensor, eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float],
+                 momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, ...]:
+    """``distnorm::cbn_plan`` on the CPU: the C kernel of :mod:`distnorm._cpu_kernels` where the
+    group agreed on it (``kernel="cpu"``) and it takes the case (the Triton kernel's cases,
+    and buffers of the layer's own dtypes); the Triton kernel in Triton's interpreter where
+    the group agreed on that (``DISTNORM_TRITON=interpret``); else the composite."""
+    if kernel != "composite" and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count):
+        if kernel == "cpu" and buffers[2].dtype == torch.bool and buffers[5].dtype == torch.int64:
+            return _cpu_kernels.cbn_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
+        if kernel == "triton":
+            return cbn_plan_cuda(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum,
+                                 amat_ready, kernel)
+    return cbn_plan(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum, amat_ready, kernel)
+
+
 def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor, inv_rho: float,
                   kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The kernel of ``distnorm::backward_sums``
-    (:func:`~distnorm._composite.backward_sums_composite`; ``kernel`` as for :func:`cbn_plan`)."""
-    if kernel != "composite" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
-        if kernel == "triton":
-            return _launch("backward_sums", s1.device, lambda k: k.backward_sums(
-                s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(),
-                inv_rho))
-        if kernel == "cpu" and s1.device.type == "cpu":
-            return _cpu_kernels.backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
+    """``distnorm::backward_sums`` on every device: the composite,
+    :func:`~distnorm._composite.backward_sums_composite` (``kernel`` as for :func:`cbn_plan`)."""
     return backward_sums_composite(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
+
+
+def backward_sums_cuda(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
+                       inv_rho: float, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``distnorm::backward_sums`` on CUDA: the Triton kernel where the group agreed on it and
+    the sums are float32 on one device, else the composite."""
+    if kernel == "triton" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
+        return _launch("backward_sums", s1.device, lambda k: k.backward_sums(
+            s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(),
+            inv_rho))
+    return backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)
+
+
+def backward_sums_cpu(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
+                      inv_rho: float, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``distnorm::backward_sums`` on the CPU: the C kernel (``kernel="cpu"``) or the Triton
+    kernel in Triton's interpreter (``kernel="triton"``) for float32 sums on one device, else
+    the composite."""
+    if kernel != "composite" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
+        if kernel == "cpu":
+            return _cpu_kernels.backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
+        if kernel == "triton":
+            return backward_sums_cuda(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)
+    return backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)

@@ -5,7 +5,8 @@ skips the overload resolution of ``torch.ops.distnorm.cbn_plan(...)`` at every c
 room that calls one imports the room that declares it.
 
 * ``distnorm::cbn_plan``, ``backward_sums``: the per-channel steps, one operator each
-  (kernels: :mod:`distnorm._kernels`; the maths: :mod:`distnorm._composite`), so a GPU
+  (kernels: :mod:`distnorm._kernels`, the composite for every device and each device's own
+  under its dispatch key; the maths: :mod:`distnorm._composite`), so a GPU
   launches one kernel where ATen would launch some thirty, and a CPU runs one C loop
   (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
   ``"triton"``, ``"cpu"``), as the group agreed (:mod:`distnorm._kernel_choice`).
@@ -67,6 +68,11 @@ def _backward_sums_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Te
 
 _define("cbn_plan", _kernels.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
 _define("backward_sums", _kernels.backward_sums, _backward_sums_fake)
+# Each device's own kernels under its dispatch key (the composite above serves every other).
+_LIB.impl("cbn_plan", _kernels.cbn_plan_cpu, "CPU")
+_LIB.impl("cbn_plan", _kernels.cbn_plan_cuda, "CUDA")
+_LIB.impl("backward_sums", _kernels.backward_sums_cpu, "CPU")
+_LIB.impl("backward_sums", _kernels.backward_sums_cuda, "CUDA")
 
 
 # Copies of the buffers a compiled step updates in place, read by its backward

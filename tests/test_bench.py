@@ -231,9 +231,10 @@ def test_bench_step_gpu_smoke(step_gpu_smoke):
     """Every eager build before any compiled one (a run cut short keeps the cheap figures), the
     compiled block variant by variant (local BN first: the baselines), each ratio against local
     BN in the same mode and eager, timed in the same rounds, the goals, and per compiled member
-    what dynamo and inductor did, counted over every one of its steps. Bugs caught: the blocks in
-    the order asked for (compiled first); a figure rounded so that it no longer follows from the
-    others (images/s from the step time: a slow step failed the check)."""
+    what dynamo and inductor did, counted over every one of its steps. The blocks run in that
+    order even when asked for compiled first, and every figure still follows from the others
+    once rounded (images/s from the step time: a figure rounded further failed that check for a
+    slow step)."""
     step_gpu = step_gpu_smoke
     cfg = step_gpu["config"]
     assert cfg | {"batch": 2, "size": 32, "repeats": 1} == cfg and cfg["amp"] == "bf16"
@@ -275,8 +276,8 @@ def test_step_gpu_records_failures_and_stops_for_time(monkeypatch):
     """A member that raises at its build or while timed is recorded with its error and phase,
     and the block goes on without it; with ``--time-budget-s``, no build starts that the time
     left would not finish, and what was not built is listed (the GPU report's part then ends by
-    itself instead of at its limit). Bugs caught: one failing variant losing the whole block; a
-    stop for time losing the figures already taken."""
+    itself instead of at its limit). Neither a failing variant nor a stop for time loses the
+    figures the block has already taken."""
     step_gpu = _bench_module("step_gpu", monkeypatch)
     build, make_step = step_gpu.build, step_gpu.make_step
     # the budget itself: the longest build of a mode so far, x1.25, and the longest timing
@@ -332,9 +333,9 @@ def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
     """The variants that take GN + BNP apart build what they name (GroupNorm without BNP's
     hooks, local BN with them, GroupNorm computed in its input's dtype under autocast) and run
     only when asked; ``--memory-format contiguous`` gives the models and the batch NCHW, and
-    the report records it. Bugs caught: GN alone measured with BNP still attached, the
-    ``*_lowp`` GroupNorm handed float32 parameters under autocast, the layout option ignored
-    or NCHW recorded as channels_last."""
+    the report records it. So GN alone is never measured with BNP still attached, the
+    ``*_lowp`` GroupNorm is not handed float32 parameters under autocast, and the layout option
+    is neither ignored nor recorded as channels_last for an NCHW run."""
     from distnorm._bnp_functions import BNPLayerState
 
     step_gpu = _bench_module("step_gpu", monkeypatch)
@@ -415,8 +416,8 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
 def test_gpu_report_to_out_bundles_the_parts(tmp_path, monkeypatch):
     """Sent to ``$OUT`` (a lent machine sends back a few files from it), the report is three
     files: its JSON, its Markdown and every part's log and JSON in one archive, rewritten with
-    the report. Bug caught: the parts' files beside the report (one per part: past the number
-    of files a lent machine sends back, so some were left behind)."""
+    the report. The parts' files do not lie beside the report: there, one per part, they went
+    past the number of files a lent machine sends back, and some were left behind."""
     import tarfile
 
     gpu_report = _bench_module("gpu_report", monkeypatch)
@@ -437,8 +438,8 @@ def test_gpu_report_to_out_bundles_the_parts(tmp_path, monkeypatch):
 def test_gpu_report_tells_the_step_parts_their_time(tmp_path, monkeypatch):
     """A step part is given ``--time-budget-s`` (its limit less the margin for its start and
     its last timing), so it ends by itself; a part is not started with less time left than
-    its plan says it needs to finish anything. Bug caught: a compiled part started with a
-    minute left, stopped at its limit before its first figure."""
+    its plan says it needs to finish anything. Otherwise a compiled part started with a minute
+    left is stopped at its limit before its first figure."""
     gpu_report = _bench_module("gpu_report", monkeypatch)
     monkeypatch.setattr(gpu_report, "cuda_info", lambda: {"device_count": 1, "devices": ["a GPU stand-in"],
                                                           "torch_cuda": None, "cudnn": None, "reason": None})
@@ -521,8 +522,8 @@ def test_gpu_report_tables_and_failures(tmp_path, monkeypatch, step_gpu_smoke):
 
 def test_gpu_report_stops_a_part_and_everything_it_started_at_its_limit(tmp_path, monkeypatch):
     """A part that outlives its limit is stopped with the processes it started (pytest's
-    ranks, inductor's compile workers), and its output so far is in its log. Bug caught: only
-    the part's own process killed (a grandchild kept the GPU)."""
+    ranks, inductor's compile workers), and its output so far is in its log. Stopping only the
+    part's own process is not enough: a grandchild kept the GPU."""
     gpu_report = _bench_module("gpu_report", monkeypatch)
     pid_file = tmp_path / "grandchild.pid"
     code = ("import subprocess, sys, time\n"
@@ -557,8 +558,8 @@ def _alive(pid: int) -> bool:
 def test_gpu_report_stopped_from_outside_keeps_its_report(tmp_path):
     """The report is on disk before a part starts (``running``): a run killed from outside
     (the lent machine's time ending) keeps what finished and shows where it stopped; SIGTERM
-    stops the running part and its processes and rewrites the report. Bugs caught: the report
-    written only at the end; the part left running after gpu_report ends."""
+    stops the running part and its processes and rewrites the report. The report is not
+    written only at the end, and no part is left running after gpu_report ends."""
     hang = tmp_path / "hang" / "test_hang.py"
     hang.parent.mkdir()
     hang.write_text("import os, time\nimport pytest\n\n\n@pytest.mark.cuda\ndef test_hang():\n"

@@ -127,8 +127,9 @@ def test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient(shape
     """BNP's backward on the CPU, float32: the C kernel (``distnorm::bnp_precondition``) reads
     the weight gradient once and writes its transform once — 2 weight-sized passes, where
     ATen's calls (``DISTNORM_CPU_KERNEL=0``) make 5 to 7 — and both equal the explicit float64
-    matrices to float32 rounding; the kernel's bits do not depend on the thread count. Bugs
-    caught: the kernel left unused (5 passes), a group's rows reading group 0's statistics."""
+    matrices to float32 rounding; the kernel's bits do not depend on the thread count. The pass
+    count shows that the kernel is used (left unused: 5 passes), and each group's rows read
+    that group's statistics, not group 0's."""
     from distnorm._bnp_functions import BNPGradientFunction
 
     torch.manual_seed(0)
@@ -353,8 +354,10 @@ class _StandardizedConv(nn.Conv2d):
 
 
 def test_bnp_keeps_a_subclass_forward():
-    """Bug caught: BNP replaced the layer's forward with nn.Conv2d's, silently changing a
-    subclass's output (by 10.3 in the review)."""
+    """BNP keeps a subclass's own forward: an attached ``_StandardizedConv`` keeps its class
+    and computes what it computed before, and BNP takes q² from its real output (5 x 5 here,
+    where nn.Conv2d's formula without padding gives 4 x 4). Before, BNP replaced the layer's
+    forward with nn.Conv2d's, silently changing a subclass's output (by 10.3 in the review)."""
     torch.manual_seed(0)
     plain = nn.Sequential(_StandardizedConv(3, 4, 3, stride=2))
     model = copy.deepcopy(plain)
@@ -369,7 +372,10 @@ def test_bnp_keeps_a_subclass_forward():
 
 
 def test_bnp_refuses_layers_whose_forward_never_runs():
-    """Bug caught: nn.MultiheadAttention.out_proj was attached but never preconditioned."""
+    """BNP refuses a layer whose forward never runs, naming it: ``nn.MultiheadAttention``'s
+    ``out_proj`` when attaching (the attention uses its weight without its forward), and at the
+    first forward a layer whose weight the model reads without calling it. Before,
+    nn.MultiheadAttention.out_proj was attached but never preconditioned."""
     attention = nn.Sequential(nn.MultiheadAttention(8, 2))
     with pytest.raises(ValueError, match=r"0\.out_proj"):
         distnorm.bnp.attach(attention)

@@ -69,9 +69,12 @@ def _branch_worker(rank: int, world: int, debug: bool) -> dict[str, str | None]:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("debug", [False, True], ids=["debug_off", "debug_on"])
 def test_every_rank_names_both_layers(tmp_path, debug):
-    """Bugs caught, debug off: a skipped layer aborting rank 1 in gloo's size check and rank
-    0 raising ``CollectiveFailedError``; another layer of the same shape mixing statistics
-    with no error; the error naming only this rank's layer."""
+    """Whatever rank 1 does differently (another layer of the same shape, one of other
+    channels, a layer skipped, a layer left out of its loss), every rank raises
+    CollectiveMismatchError naming both ranks' layers and phases, with debug mode off and on.
+    With debug off this rules out a skipped layer aborting rank 1 in gloo's size check while
+    rank 0 raises ``CollectiveFailedError``, another layer of the same shape mixing statistics
+    with no error, and an error that names only the raising rank's layer."""
     per_rank = run_distributed(_branch_worker, 2, tmp_path, debug, timeout=120)
     for rank, messages in enumerate(per_rank):
         for case, names in CASES.items():
@@ -114,8 +117,8 @@ def _plugin_worker(rank: int, world: int) -> dict:
 def test_the_plugin_check_names_both_layers_when_frames_are_compared_late(tmp_path):
     """On a GPU frames are compared without a host synchronisation, so a mismatch may go on
     until the plugin's next check (every 2 forwards here): there, before any collective of
-    its own, every rank raises naming both layers. Bug caught: the check comparing nothing
-    (the pending frames never read)."""
+    its own, every rank raises naming both layers. The check reads the pending frames: one
+    that never read them would compare nothing."""
     for rank, out in enumerate(run_distributed(_plugin_worker, 2, tmp_path, timeout=120)):
         assert out["steps_done"] == 1, (rank, out["error"])  # the check at the second forward raised
         assert "CBN 'b.0.norm'|forward" in out["error"] and "CBN 'c.0.norm'|forward" in out["error"], (rank, out)
@@ -143,7 +146,7 @@ def _count_worker(rank: int, world: int) -> dict:
 def test_the_check_adds_no_collective_and_no_host_sync(tmp_path):
     """One frame forward, one backward, as before the check (a fixed size, the fingerprints
     inside); no host synchronisation on the GPU's path; on the CPU one ``aten.equal`` per
-    frame, a host computation on values the host already waited for. Bug caught: a
+    frame, a host computation on values the host already waited for. The check adds no
     fingerprint collective of its own per layer (what debug mode does)."""
     for rank, counts in enumerate(run_distributed(_count_worker, 2, tmp_path, timeout=120)):
         frame = ("allreduce_", ((3 * 16 + 2 * 2,),))

@@ -1,7 +1,7 @@
 """Activation checkpointing (reentrant and not): a recomputed forward reuses its first
 forward's statistics, buffers update once per step, nothing is left behind.
 
-Each test names the bug it exists to catch."""
+Each test says the behaviour it holds; tests/README.md and tests/mutants.py name the bugs they catch."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def _checkpoint_run(use_reentrant: bool | None, rank: int = 0, world: int = 1, d
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_checkpointing_equals_plain_and_updates_buffers_once(use_reentrant):
-    """Bug caught: the recomputed forward updated AMAT, running stats, num_batches_tracked
-    and BNP moments a second time, and changed CBN's gradients (eta > 0)."""
+    """Under activation checkpointing a model trains as without it: the recomputed forward does
+    not update AMAT, the running statistics, ``num_batches_tracked`` or BNP's moments a second
+    time, CBN's gradients are the plain model's (eta > 0), and the stash is left empty."""
     _checkpoint_run(use_reentrant)
 
 
@@ -70,11 +71,11 @@ def test_checkpointing_on_two_ranks(tmp_path, use_reentrant):
 
 def test_a_checkpointed_step_after_plain_steps_recomputes_with_its_own_statistics():
     """Plain training steps, then one under non-reentrant checkpointing: its recomputed
-    forward must take this step's plan, and the stash must keep nothing of the plain steps.
-    Bug caught: the stash recorded every plan as a no-grad one (the statistics step, which
-    decided it, runs under ``no_grad``), kept the plain steps' plans, and the checkpointed
-    step recomputed with the oldest of them: gradients wrong by 10³ (before the fix); BNP's
-    stash grew by one dead reference per step."""
+    forward takes this step's plan, and the stash keeps nothing of the plain steps. Before the
+    fix the stash recorded every plan as a no-grad one (the statistics step, which decided it,
+    runs under ``no_grad``) and kept the plain steps' plans, and the checkpointed step
+    recomputed with the oldest of them: gradients wrong by 10³; BNP's stash grew by one dead
+    reference per step."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), distnorm.CBN(4), nn.Linear(4, 3))
     distnorm.bnp.attach(plain, exclude=["0"])

@@ -25,8 +25,8 @@ CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("
 def test_the_group_device_follows_pytorch_bound_device_else_current_device():
     """NCCL: the bound device (init_process_group(device_id=...)), else the current CUDA
     device, as torch.distributed does for the same group; gloo: the CPU whatever is bound or
-    current. Bug caught: the LOCAL_RANK guess, which put the consistency checks on another
-    GPU than the training collectives after torch.cuda.set_device(another)."""
+    current. The device is not guessed from LOCAL_RANK: that guess put the consistency checks
+    on another GPU than the training collectives after torch.cuda.set_device(another)."""
     assert collective_device("nccl", None, 1) == CUDA1
     assert collective_device("nccl", CUDA1, 0) == CUDA1  # bound wins over current
     assert collective_device("nccl", CUDA0, None) == CUDA0  # bound: the current device is not needed
@@ -41,8 +41,10 @@ def test_the_group_device_follows_pytorch_bound_device_else_current_device():
     (None, 0, CPU, "the current CUDA device"),
 ], ids=["set_device elsewhere", "bound elsewhere", "input on the CPU"])
 def test_an_input_off_the_nccl_group_device_is_refused(bound, current, input_device, source):
-    """Bug caught: a layer whose input sits on another GPU than its NCCL group's joins the
-    collective anyway (a hang on another rank's communicator, or cross-device traffic)."""
+    """A layer whose input sits on another GPU than its NCCL group's collectives is refused
+    before it joins them: the ValueError names the layer and phase, the input's device, the
+    group's device and where it comes from, and how to fix it. Joining anyway would hang on
+    another rank's communicator, or move data across devices."""
     with pytest.raises(ValueError) as info:
         collective_device("nccl", bound, current, input_device, what="CBN 'layer1.0.bn1' (forward)")
     message = str(info.value)
@@ -127,34 +129,37 @@ def _own_communicator_worker(rank, world):
     plain, plain_groups, plain_group = run(False)
     own, own_groups, own_group = run(True)
     assert plain_group is None and own_group is distnorm.norm_group() and own_group is not dist.group.WORLD
-    assert len(own_groups) == 6 and all(g is own_group for g in own_groups)  # 3 steps x (fwd + bwd)
-    assert len(plain_groups) == 6 and all(g in (None, dist.group.WORLD) for g in plain_groups)
+    # 3 steps x (fwd + bwd), and each group's vote on the kernels at its first step
+    assert len(own_groups) == 7 and all(g is own_group for g in own_groups)
+    assert len(plain_groups) == 7 and all(g in (None, dist.group.WORLD) for g in plain_groups)
     for name in plain:
         assert torch.equal(plain[name], own[name]), name  # same training, other communicator
 
 
 @pytest.mark.world_size(2)
 def test_own_communicator_carries_the_layers_collectives(tmp_path):
-    """What breaks it: the config flag not reaching the layers (they would keep sharing the
-    default communicator, and DDP's buckets, with no visible difference in results)."""
+    """With the configuration's own-communicator flag, the layers' collectives run on a
+    communicator of their own, not the default one that DDP's buckets use (a flag that did not
+    reach the layers would show no difference in results)."""
     run_distributed(_own_communicator_worker, 2, tmp_path)
 
 
 # ------------------------------------------------------- a GPU frame's read-back, modelled
 def test_a_gpu_frames_read_back_stays_on_the_frames_device(monkeypatch):
-    """The deferred header check of a GPU frame (``distnorm._frames._Pending.record``) for a
-    frame on ``cuda:1`` while ``cuda:0`` is current: ``init_process_group(device_id=cuda:1)``
-    without ``torch.cuda.set_device`` (which the NCCL device error above offers), or gloo
-    handed another GPU's tensors. No GPU here: the CUDA calls ``record`` makes are stood in
-    for by a model of what PyTorch does with them -- a current device; ``Event.record()``
-    on the current device's current stream unless given one (``torch/cuda/streams.py``); a
-    device-to-host copy on its *source's* current stream (ATen's ``copy_kernel_cuda``); a
-    pinned allocation and an event's recording touching the device current then, or the
-    stream's -- while ``record`` itself runs as it is. Bug caught (gpu-reading-2026-11-28,
-    finding 1): the event recorded on cuda:0's stream while the copy ran on cuda:1's, so
-    the event was done at once and the host compared pinned bytes not yet copied (a false
-    CollectiveMismatchError at step 1), and the pinned buffer opening a CUDA context on
-    GPU 0 in every rank. The same on real GPUs, without a model:
+    """A GPU frame's deferred header check (``distnorm._frames._Pending.record``) stays on the
+    frame's device. For a frame on ``cuda:1`` while ``cuda:0`` is current --
+    ``init_process_group(device_id=cuda:1)`` without ``torch.cuda.set_device`` (which the NCCL
+    device error above offers), or gloo handed another GPU's tensors -- the event is recorded
+    on the copy's stream, nothing runs on GPU 0, and the current device stays as it was. No
+    GPU here: the CUDA calls ``record`` makes are stood in for by a model of what PyTorch does
+    with them -- a current device; ``Event.record()`` on the current device's current stream
+    unless given one (``torch/cuda/streams.py``); a device-to-host copy on its *source's*
+    current stream (ATen's ``copy_kernel_cuda``); a pinned allocation and an event's recording
+    touching the device current then, or the stream's -- while ``record`` itself runs as it is.
+    gpu-reading-2026-11-28 (finding 1) found the event recorded on cuda:0's stream while the
+    copy ran on cuda:1's, so the event was done at once and the host compared pinned bytes not
+    yet copied (a false CollectiveMismatchError at step 1), and the pinned buffer opening a
+    CUDA context on GPU 0 in every rank. The same on real GPUs, without a model:
     ``tests/test_cuda.py::test_a_gpu_frame_is_compared_once_its_copy_arrived``."""
     from types import SimpleNamespace
 

@@ -1,7 +1,7 @@
 """``torch.compile`` of the layers, the functional API and a model with the plugin equals eager
 (one process and two ranks); CUDA graphs never capture the layers' host decisions.
 
-Each test names the bug it exists to catch."""
+Each test says the behaviour it holds; tests/README.md and tests/mutants.py name the bugs they catch."""
 
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def _check_compile(results: list[dict]) -> None:
 @pytest.mark.processes
 @pytest.mark.timeout(900)
 def test_compile_equals_eager():
-    """Bug caught: compiled CBN with AMAT (eta = 0.5) gave gradients 18-47 % off from the
-    second step on: the Function updated buffers its compiled backward re-read."""
+    """A model compiled whole (``fullgraph=True``) trains as the eager one: outputs, gradients
+    and buffers equal at every step, CBN with AMAT included. Before, compiled CBN with AMAT
+    (eta = 0.5) gave gradients 18-47 % off from the second step on: the Function updated
+    buffers its compiled backward re-read."""
     _check_compile(_compile_run())
 
 
@@ -105,9 +107,10 @@ def _check_functional_compile(results: list[dict]) -> None:
 
 
 def test_compiled_functional_api_equals_eager():
-    """Bug caught: ``torch.compile`` of the functional API raised "no layer is registered
-    under key -1" — its per-call states were never registered, and a registry could not hold
-    them for the graph; the operators now rebuild them from the configuration the graph holds."""
+    """``torch.compile`` of the functional API equals eager: the operators rebuild each call's
+    state from the configuration the graph holds. Before, it raised "no layer is registered
+    under key -1": its per-call states were never registered, and a registry could not hold
+    them for the graph."""
     torch._dynamo.reset()
     _check_functional_compile(_functional_compile_run())
 
@@ -136,10 +139,11 @@ def test_a_compiled_model_with_dynamic_batch_sizes_equals_eager(group):
     """Batch sizes that change (the last batch of an epoch; ``torch.compile``'s automatic
     dynamic shapes after a second size, or ``dynamic=True``) make a layer's count a symbol:
     every layer kind and BNP still equals eager across AMAT's phases, locally and with the
-    collectives traced. Bugs caught: the count's comparison left a symbolic bool where the
-    step needs to know the batch is valid ("where() received an invalid combination of
-    arguments - got (SymBool, ...)"); a symbolic channel count handed to the frames'
-    trace-time constants ("assume_constant_result argument conversion failed")."""
+    collectives traced. The count's comparison leaves no symbolic bool where the step needs to
+    know the batch is valid (that failed with "where() received an invalid combination of
+    arguments - got (SymBool, ...)"), and no symbolic channel count reaches the frames'
+    trace-time constants (that failed with "assume_constant_result argument conversion
+    failed")."""
     dist, previous = _one_rank_group() if group != "local" else (None, False)
     try:
         torch._dynamo.reset()
@@ -163,7 +167,7 @@ def test_a_compiled_model_with_dynamic_batch_sizes_equals_eager(group):
 def test_two_compiled_functional_call_sites_keep_their_own_amat_state(backend):
     """Two compiled ``functional.cbn`` call sites of the same configuration, each with its own
     buffers, equal eager in float64 (eta = 0.5, 3 steps), traced whole (``fullgraph=True``)
-    and through Inductor's own kernels. Bug caught: the compiled operators found a functional
+    and through Inductor's own kernels. Before, the compiled operators found a functional
     call's state in a cache keyed by its configuration, so the second call site shared the
     first one's "AMAT initialised" and skipped its own initialisation (its output off by 1.13
     at the first step; ``../shared/evidence/compiled-functional-call-sites.py``)."""
@@ -188,8 +192,10 @@ def test_two_compiled_functional_call_sites_keep_their_own_amat_state(backend):
 
 
 def test_compiled_model_with_the_plugin_does_not_recompile_when_the_lr_changes():
-    """Bug caught: the layer's forward read the Python float ``lr`` (and the plugin's hook set
-    it inside the traced region), so dynamo guarded on its value and recompiled the model at
+    """A compiled model with the plugin does not recompile when the learning rate changes (at
+    most 2 frames compiled for 7 learning rates), and its buffers equal the eager model's.
+    Before, the layer's forward read the Python float ``lr`` (and the plugin's hook set it
+    inside the traced region), so dynamo guarded on its value and recompiled the model at
     every learning-rate change — every step of a warm-up or cosine schedule."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -261,9 +267,9 @@ def test_a_compiled_step_is_one_graph_of_aten_ops_and_collectives():
     The model trains across AMAT's phases -- the buffers initialise at the first step, the
     learning rate changes at every step, ``eta`` crosses 0 twice -- in ONE graph: no
     recompilation, no graph break. And nothing in it is unsafe for CUDA graphs by Inductor's
-    own check. Bugs caught: the statistics step and the backward as opaque custom operators
-    (Inductor could not fuse them, and they were tagged ``cudagraph_unsafe``); a host read
-    (``state.amat_ready``) that guards and recompiles."""
+    own check. Before, the statistics step and the backward were opaque custom operators
+    (Inductor could not fuse them, and they were tagged ``cudagraph_unsafe``), and a host read
+    (``state.amat_ready``) guarded and recompiled."""
     from torch._dynamo.utils import counters
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
@@ -331,7 +337,7 @@ def test_a_compiled_mismatch_is_named_at_the_next_frame_check(tmp_path):
     """A compiled graph cannot stop on the host at a mismatched collective: it compares the
     frame's fingerprints on the device and logs the first mismatch, and the next
     ``check_frames`` (the plugin's periodic check) raises on every rank, naming each rank's
-    layer. Bug caught: compiled collectives that paired different layers silently."""
+    layer. Compiled collectives that pair different layers do not pass silently."""
     messages = run_distributed(_mismatch_worker, 2, tmp_path, timeout=240)
     for message in messages:
         assert message is not None
@@ -341,8 +347,8 @@ def test_a_compiled_mismatch_is_named_at_the_next_frame_check(tmp_path):
 def test_the_constant_marker_is_the_one_torch_compile_reads():
     """``distnorm._frames`` marks its trace-time constants without importing ``torch._dynamo``
     (2 s at ``import distnorm``), by the attribute ``torch.compiler.assume_constant_result``
-    sets. Bug caught: a torch whose decorator marks functions otherwise (the frames'
-    fingerprints would then be traced, and fail)."""
+    sets, and that is what this torch's decorator sets. A torch whose decorator marked
+    functions otherwise would have the frames' fingerprints traced, which fails."""
     from distnorm import _frames
 
     def probe():
@@ -354,7 +360,7 @@ def test_the_constant_marker_is_the_one_torch_compile_reads():
 
 def test_debug_mode_refuses_compilation_naming_what_works():
     """Debug mode reads each collective's fingerprint and the statistics on the host, which a
-    compiled graph cannot: one error says so and names what works. Bug caught: debug checks
+    compiled graph cannot: one error says so and names what works. Debug checks are never
     silently absent from a compiled model."""
     torch._dynamo.reset()
     layer = distnorm.CBN(3)
@@ -401,8 +407,8 @@ def test_a_captured_step_dispatches_the_same_ops_whatever_the_values(monkeypatch
     (``_capture.capturing`` answers True, as ``torch.cuda.is_current_stream_capturing``
     would), and every step of AMAT's phases dispatches the same ops, with outputs, gradients
     and buffers equal to the eager steps' (the history path at ``eta = 0`` gives the batch
-    statistics). Bugs caught: the host's ``history`` / ``amat_ready`` choosing the kernels or
-    their arguments, so a graph captured at one step replays the wrong branch at another."""
+    statistics). Neither ``history`` nor ``amat_ready`` on the host chooses the kernels or their
+    arguments: a graph captured at one step would then replay the wrong branch at another."""
     from distnorm import _capture
 
     torch.manual_seed(0)

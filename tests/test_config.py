@@ -42,8 +42,8 @@ def _other_value(f):
 def test_every_spec_field_is_reachable_from_every_front_end(section, tmp_path):
     """One owner per hyper-parameter: each field of each spec can be set from the command line,
     the environment, YAML and a train-recipe override, and all four give the same spec.
-    Bug caught: a layer parameter that one front end cannot set (r_max, eval_stats and sync
-    had no flag, variable or YAML key before the specs)."""
+    Before the specs, some layer parameters had no way in from one front end: r_max, eval_stats
+    and sync had no flag, variable or YAML key."""
     import argparse
     import dataclasses
 

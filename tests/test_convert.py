@@ -266,9 +266,13 @@ def _activation_count(model: nn.Module) -> int:
 
 @pytest.mark.parametrize("name", TIMM_MODELS)
 def test_timm_batchnorm_act_keeps_its_activation(name):
-    """Bug caught: timm's BatchNormAct2d (norm + activation in one module) was replaced as a
-    plain BatchNorm and its activation dropped: efficientnet_b0 with norm='bn' kept 32 of its
-    65 activations — silently a different network."""
+    """Converting a timm model keeps the activation of each BatchNormAct2d (norm + activation in
+    one module), for every norm: the converted model has the original's number of activations
+    (the README's figure); ``norm='bn'`` evaluates identically, with the same state_dict keys;
+    ``activation=`` swaps every activation but the SE gates; ``revert`` gives the original
+    back. Before, BatchNormAct2d was replaced as a plain BatchNorm and its activation dropped:
+    efficientnet_b0 with norm='bn' kept 32 of its 65 activations — silently a different
+    network."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=10).eval()
@@ -366,8 +370,8 @@ def test_converted_models_save_pickle_and_deepcopy_whole(source):
     """``torch.save(model)`` / ``pickle`` / ``copy.deepcopy`` of a converted model, for every
     norm, with BNP off and on, taken after a training forward whose graph is still alive:
     the copy loads, computes what the original computes (BNP's hooks included) and carries
-    none of the original's per-forward state. Bug caught: timm's fused norm + activation
-    class was made with ``type()`` at conversion, so ``norm="bn"`` / ``"gn"`` could not be
+    none of the original's per-forward state. Before, timm's fused norm + activation class
+    was made with ``type()`` at conversion, so ``norm="bn"`` / ``"gn"`` could not be
     pickled, and BNP's preconditioned class (made per layer class) not at all."""
     torch.manual_seed(0)
     model, x = _base_model(source)

@@ -154,9 +154,9 @@ def _counting(device: torch.device, count: bool) -> contextlib.AbstractContextMa
 def test_nccl_two_ranks_equal_one_process(tmp_path, splits):
     """Two ranks, one GPU each, NCCL: every layer kind of ``C`` channels in float64 and
     float32 equal to one process on the whole batch, buffers bit-identical across the ranks,
-    the group agreed on Triton and ran it (counted). Bugs caught: an NCCL group whose
-    synchronized statistics or backward sums differ from one process's; the Triton kernels
-    not agreed in a group (with 3 channels, as before, the group never voted)."""
+    the group agreed on Triton and ran it (counted). So an NCCL group's synchronized statistics
+    and backward sums are one process's, and the Triton kernels are agreed in a group: with 3
+    channels, as before, the group never voted."""
     out = run_distributed(_split_batch_worker, 2, tmp_path, splits, "cuda", own_gpu=True, backend="nccl",
                           timeout=240)
     _assert_bit_identical(out)
@@ -241,11 +241,11 @@ def test_empty_rank_on_one_device(tmp_path, device, splits):
     channels, forward and backward, float64 and float32 (where the group agrees on the fused
     operators' Triton kernels and runs them, counted: the kernel's masked device-count path
     on the empty rank): equal to one process on the whole batch, buffers bit-identical
-    across the ranks. The CPU case is the same comparison in ``make test``. Bugs caught: an
-    empty rank handed to a CUDA kernel that rejects N = 0; an empty rank that skips a
-    collective (the other rank waits until the deadline) or adds to the statistics; Triton
-    never run inside a group on a GPU (with 3 channels, as before, the group never voted:
-    gpu-reading-2026-11-28, finding 2)."""
+    across the ranks. The CPU case is the same comparison in ``make test``. An empty rank is
+    never handed to a CUDA kernel that rejects N = 0, skips no collective (the other rank
+    would wait until the deadline) and adds nothing to the statistics; and Triton runs inside a
+    group on a GPU (with 3 channels, as before, the group never voted: gpu-reading-2026-11-28,
+    finding 2)."""
     out = run_distributed(_split_batch_worker, 2, tmp_path, splits, device)
     _assert_bit_identical(out)
 
@@ -263,10 +263,10 @@ def _one_rank_worker(rank: int, world: int, device: str) -> dict[str, float]:
     """A group of ONE rank that keeps its collectives (the test switch,
     :func:`distnorm._collectives.keep_one_rank_groups`): CBN, POP-Norm and SyncBatchNorm of
     ``C`` channels in float32, contiguous and channels_last, train over ``ONE_RANK_LRS``
-    through the synchronized path (two all-reduces a step, counted; on a GPU the group's
-    Triton kernels, counted) and, from the same start, through the local path (no
-    collective); outputs, gradients and buffers agree within float32 rounding at every
-    step. Every frame's header is compared at the end (on a GPU they were copied to pinned
+    through the synchronized path (two all-reduces a step and the group's vote at its first,
+    counted; on a GPU the group's Triton kernels, counted) and, from the same start, through
+    the local path (no collective); outputs, gradients and buffers agree within float32
+    rounding at every step. Every frame's header is compared at the end (on a GPU they were copied to pinned
     memory and polled). Returns the largest difference seen per kind."""
     dev = torch.device(device, 0) if device == "cuda" else torch.device(device)
     _collectives.keep_one_rank_groups(True)
@@ -297,10 +297,13 @@ def _one_rank_worker(rank: int, world: int, device: str) -> dict[str, float]:
                     layer.zero_grad()
                     xi = x.clone().requires_grad_()
                     before = len(reduces)
+                    # the group votes on its kernels once per device type, before its first statistics
+                    vote = path == "synced" and _kernel_choice._agreed(dist.group.WORLD, dev.type) is None
                     with _counting(dev, triton and path == "synced") as launches:
                         y = layer(xi)
                         y.backward(gy)
-                    assert len(reduces) - before == (2 if path == "synced" else 0), (where, path, len(reduces) - before)
+                    assert len(reduces) - before == (2 + vote if path == "synced" else 0), \
+                        (where, path, len(reduces) - before)
                     if triton and path == "synced":  # the kernels the group agreed on
                         assert launches == LAUNCHES_PER_STEP[kind], (where, launches)
                     results[path] = [y, xi.grad, layer.weight.grad, layer.bias.grad, *layer.buffers()]
@@ -327,11 +330,11 @@ def test_a_group_of_one_rank_synchronizes_and_equals_the_local_path(tmp_path, de
     """The synchronized path on ONE device (:func:`_one_rank_worker`): on a GPU an NCCL world
     of one rank -- NCCL, the frames' GPU path (pinned copies, event polling) and Triton
     inside a group, which no one-GPU machine ran before -- and on the CPU a gloo world of one
-    (``make test``). Bugs caught: the test switch not reaching a layer's forward or backward
-    (no collective: counted); the synchronized statistics, backward sums or buffer updates
-    differing from the local path's beyond float32 rounding, across AMAT's eta = 0 and back;
-    Triton not agreed or not run inside an NCCL group (counted launches); a frame's header
-    compared before its copy arrived (a false CollectiveMismatchError)."""
+    (``make test``). The test switch reaches a layer's forward and backward (their collectives
+    are counted); the synchronized statistics, backward sums and buffer updates equal the local
+    path's to float32 rounding, across AMAT's eta = 0 and back; Triton is agreed and run inside
+    an NCCL group (counted launches); and a frame's header is compared only once its copy
+    arrived (before that, the comparison gives a false CollectiveMismatchError)."""
     worst = run_distributed(_one_rank_worker, 1, tmp_path, device, backend="nccl" if device == "cuda" else "gloo",
                             timeout=240)[0]
     assert set(worst) == set(KINDS), worst
@@ -376,10 +379,10 @@ def test_the_deferred_frame_check_raises_on_a_mismatch_on_the_gpu(tmp_path, back
     backend: the header copied to pinned memory behind the all-reduce, compared once its
     event says it arrived (never at once) -- and with two GPUs, gloo without ``set_device``
     and NCCL. Every rank raises CollectiveMismatchError naming both layers, and the matched
-    step before raised nothing. Bugs caught: the deferred check never comparing (no error),
-    or comparing a header before its copy arrived (a false error at the matched step; with
-    two GPUs and gloo, the event recorded on the current device's stream while the copy ran
-    on the frame's GPU: gpu-reading-2026-11-28, finding 1)."""
+    step before raised nothing: the deferred check compares, and never a header before its
+    copy arrived (that gives a false error at the matched step; with two GPUs and gloo,
+    gpu-reading-2026-11-28, finding 1, found the event recorded on the current device's stream
+    while the copy ran on the frame's GPU)."""
     for rank, out in enumerate(run_distributed(_frames_mismatch_worker, 2, tmp_path, own_gpu, backend=backend,
                                                timeout=240)):
         assert out["deferred"], rank
@@ -400,10 +403,10 @@ def test_a_gpu_frame_is_compared_once_its_copy_arrived(index):
     header, written on GPU ``index`` behind 0.25 s of work on that GPU's stream (an
     all-reduce still running), is kept while that stream is busy, then compared once its
     copy arrived: equal (no error), or another slot's (CollectiveMismatchError naming it).
-    Bugs caught: the host comparing pinned bytes not yet copied -- the event recorded before
-    the copy, or on another stream; for a frame on another GPU than the current one, the
-    event on the current device's stream (gpu-reading-2026-11-28, finding 1: done at once,
-    a false error at step 1)."""
+    The host never compares pinned bytes not yet copied: the event is recorded after the copy
+    and on its stream, also for a frame on another GPU than the current one
+    (gpu-reading-2026-11-28, finding 1: an event on the current device's stream was done at
+    once, a false error at step 1)."""
     device = torch.device("cuda", index)
     header = _frames._make_header("CBN 'bn'|forward", (C, torch.float32), 0, 1, device)
     other = _frames._make_header("CBN 'other'|forward", (C, torch.float32), 0, 1, device)
@@ -437,8 +440,8 @@ def test_bnp_on_the_device_matches_cpu_float64(device, monkeypatch, request):
     ATen's calls (``DISTNORM_CPU_KERNEL=0``), over three steps: the running moments, and the
     preconditioned gradients of a convolution (BNP's added bias), a grouped one and a linear
     layer. On ``device`` the transform is ATen's calls on CUDA and the C kernel on the CPU
-    (whose case runs in ``make test``). Bugs caught on the CPU: the C kernel's group rows and
-    its bias sum (bnp-kernel-group-rows, bnp-kernel-bias-sum). On CUDA in full float32: cuDNN's
+    (whose case runs in ``make test``). On the CPU this holds the C kernel's group rows and its
+    bias sum (mutants bnp-kernel-group-rows, bnp-kernel-bias-sum). On CUDA in full float32: cuDNN's
     convolutions may use TF32 by default (about 1e-3 relative, which the second and third
     layers' buffers inherit), far from the 1e-5 this test means (gpu-reading-2026-11-28,
     finding 3)."""
@@ -527,9 +530,9 @@ class _PooledBatches(torch.utils.data.IterableDataset):
 def test_pinned_batches_give_their_shared_buffers_back_at_once():
     """With ``pin_memory`` the DataLoader copies each batch into pinned memory, so the
     worker's shared buffer is free as soon as the batch arrives (distnorm.data.batches; what
-    the loaders do with ``pin_memory``, the default on GPU hosts). Bugs caught: a pinned batch
-    that is the worker's buffer after all (kept batches change), buffers held until the
-    pinned batch is dropped (every batch fresh). Needs no WebDataset."""
+    the loaders do with ``pin_memory``, the default on GPU hosts). A pinned batch is a copy,
+    not the worker's buffer (kept batches keep their values), and a buffer goes back while its
+    pinned batch is still held (fewer fresh buffers than batches). Needs no WebDataset."""
     from distnorm.data.batches import BatchReturns
 
     returns = BatchReturns(2, capacity=5)

@@ -112,8 +112,8 @@ def test_cli(tmp_path):
 
 def test_index_gets_the_mode_of_the_shards(tmp_path):
     """The index is created like the shards, ``0666`` less the umask, so whoever can read a
-    shared shard set can read its index. Bug caught: ``tempfile`` creating it ``0600`` (other
-    users of a shared dataset got "Permission denied" on the index alone)."""
+    shared shard set can read its index. Before, ``tempfile`` created it ``0600``: other
+    users of a shared dataset got "Permission denied" on the index alone."""
     source = D.SyntheticSource(num_samples=6, num_classes=2, image_size=16)
     previous = os.umask(0o022)
     try:
@@ -127,8 +127,10 @@ def test_index_gets_the_mode_of_the_shards(tmp_path):
 
 
 def test_empty_class_folders_are_refused_naming_them(tmp_path):
-    """Bug caught: an empty class folder accepted silently (a class index with no sample, a
-    model asked to predict a class it never sees)."""
+    """Writing shards from a class-folder tree with empty class folders is refused before
+    anything is written, naming those folders (2 of 5 here, one holding only a text file).
+    Accepted silently, an empty folder gives a class index with no sample: a model asked to
+    predict a class it never sees."""
     _image_tree(tmp_path / "train")
     for name in ("n000_empty", "n004_empty"):
         (tmp_path / "train" / name).mkdir()
@@ -141,8 +143,8 @@ def test_empty_class_folders_are_refused_naming_them(tmp_path):
 
 def test_index_records_each_shards_size_and_sha256(tmp_path):
     """The index records what was written (size, SHA-256) and ``verify_files`` finds a shard
-    that differs: by size always, by content only when asked. Bug caught: checksums recorded
-    but never compared (a same-size damaged shard passing a checksum verification). A rerun of
+    that differs: by size always, by content only when asked. The checksums are compared, not
+    only recorded: a same-size damaged shard fails a checksum verification. A rerun of
     the writer over an index without them (an older distnorm-shards) adds them, rewriting no
     shard — what ``--check --verify-checksums`` tells such an index's user to do."""
     import hashlib
@@ -292,7 +294,7 @@ def test_a_worker_prints_no_traceback_when_the_main_process_drops_a_batch_handof
     in that handshake (Ctrl-C under ``torchrun``) left the thread printing a
     ``BrokenPipeError`` / ``ConnectionResetError`` / ``EOFError`` traceback after the run's
     one-line report. The loaders' workers start with a hook that drops exactly those errors
-    of that thread and passes every other on. Bug caught: the traceback, seen by
+    of that thread and passes every other on. The traceback was seen by
     ``test_train.py::test_ctrl_c_under_torchrun_says_where_to_resume_in_one_line``
     (tests/README.md has how often)."""
     import socket
@@ -411,9 +413,11 @@ def _cut_points(shard: Path) -> tuple[int, int]:
 
 @pytest.mark.processes
 def test_truncated_shard(bad_shards):
-    """Bugs caught: a shard cut inside a member read as if whole; a shard cut inside a header —
-    which Python's tarfile takes for the end of the archive — leaving validation samples out
-    without a word."""
+    """A shard cut short fails with a DataError naming it: cut inside a member, in training and
+    in evaluation; cut inside a header, in evaluation. With ``on_error="skip"`` it is skipped
+    with a warning, and evaluation still gives all its batches (padded) with every whole
+    sample. Python's tarfile takes a header cut short for the end of the archive: read as if
+    whole, such a shard would leave validation samples out without a word."""
     root, index, good = bad_shards
     shard = root / "b-000001.tar"
     whole = shard.read_bytes()
@@ -446,9 +450,9 @@ def test_truncated_shard(bad_shards):
 def test_truncated_webdataset_shard_is_reported_in_evaluation(bad_shards):
     """Shards not written by ``distnorm-shards`` (here WebDataset's ``TarWriter``: a PAX
     header per member) go through ``tarfile``, which takes a header cut short for the end of
-    the archive. Bug caught: evaluation not counting each shard's samples against the index,
-    so the samples after the cut are left out without a word (distnorm's own ustar reader
-    raises at the cut itself, which ``test_truncated_shard`` sees)."""
+    the archive. Evaluation counts each shard's samples against the index, so the samples
+    after the cut are not left out without a word (distnorm's own ustar reader raises at the
+    cut itself, which ``test_truncated_shard`` sees)."""
     root, index, good = bad_shards
     shard = root / "b-000001.tar"
     _write_raw_shard(shard, [{"__key__": good.key(i), "jpg": good.jpeg(i), "cls": good.label(i)} for i in range(6, 12)])
@@ -506,9 +510,13 @@ def _distinct_classes_per_batch(prefix: str, index: "D.ShardIndex", batches: int
 @pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_shards_mix_classes_from_the_first_batch(tmp_path, caplog):
-    """Bug caught: shards cut from ImageFolder's class-by-class order held one or two classes
-    each; batches of 32 then held 10.5 distinct classes (6.4 at the start of the epoch)
-    against 22.2 for an i.i.d. draw — biased batch statistics."""
+    """Shards written from a class-sorted tree mix the classes: a shard of 100 holds more than
+    25 of the 40 classes, and batches of 32 hold nearly as many distinct classes as an i.i.d.
+    draw (22.2) from the first batch on; the shards are the same whatever the number of writer
+    processes, and on a rerun. Shards in source order (``shuffle_seed=None``) are reported as
+    written in class order, by the index and by the loader. Cut from ImageFolder's
+    class-by-class order, shards held one or two classes each, and batches of 32 held 10.5
+    distinct classes (6.4 at the start of the epoch): biased batch statistics."""
     tree = _class_sorted_tree(tmp_path / "train")
     iid = 40 * (1 - (39 / 40) ** 32)  # expected distinct classes in 32 i.i.d. draws: 22.2
     source = D.ImageFolderSource(str(tree))
@@ -546,9 +554,11 @@ def _jpeg(height: int, width: int, seed: int = 0, mode: str = "RGB") -> bytes:
 
 @pytest.mark.parametrize("preset,size", [("imagenet", 224), ("cifar", 32), ("digits", 16)])
 def test_preset_transforms_equal_torchvision_compose_bit_for_bit(preset, size):
-    """Bugs caught: batch normalization rounding differently from ToTensor + Normalize (one
-    fused multiply-add, or mean / std in float64); the geometry drawing its random numbers in
-    another order; a grayscale JPEG left with one channel."""
+    """Each preset's transform equals torchvision's Compose of its geometry, ToTensor and
+    Normalize bit for bit, in training and evaluation, for a batch and for one image: the
+    batch normalization rounds as ToTensor + Normalize do (no fused multiply-add, mean / std
+    not in float64), the geometry draws its random numbers in the same order, and a grayscale
+    JPEG gets three channels."""
     from torchvision import transforms as T
 
     images = [_jpeg(375, 500, 0), _jpeg(500, 333, 1), _jpeg(40, 48, 2), _jpeg(300, 400, 3, mode="L")]
@@ -569,8 +579,10 @@ def test_preset_transforms_equal_torchvision_compose_bit_for_bit(preset, size):
 
 
 def test_reduced_decode_decodes_smaller_and_keeps_the_crop():
-    """Bugs caught: a reduction that leaves the crop smaller than the output (upsampling), the
-    crop drawn on the reduced image (another crop than without reduction), no reduction at all."""
+    """With ``reduced_decode`` a large JPEG is decoded at a reduced scale (1/4 of 1600 x 1200
+    here) that leaves the crop no smaller than the output, so nothing is upsampled; the
+    training crop is drawn as on the full image, so it is the crop taken without reduction;
+    an image with nothing to reduce gives the same pixels."""
     from torchvision import transforms as T
 
     big = _jpeg(1200, 1600)
@@ -611,10 +623,12 @@ def _progressive(data: bytes) -> bytes:
 
 
 def test_decoding_down_to_the_crop_gives_the_pixels_of_a_full_decode(monkeypatch):
-    """Bugs caught: rows decoded short of the crop, or other pixels than a full decode (the
-    RandomResizedCrop preset stops the JPEG decoder at the crop's bottom edge); a truncated
-    file or one cut inside its header decoded without an error; grayscale, progressive or
-    non-JPEG files sent down that path; the crop drawn other than RandomResizedCrop draws it."""
+    """The RandomResizedCrop preset stops the JPEG decoder at the crop's bottom edge, and the
+    rows it decodes are a full decode's, pixel for pixel, down to the crop; grayscale,
+    progressive and non-JPEG files, and files with trailing bytes, are decoded in full. The
+    preset's tensors equal torchvision's Compose (the crop drawn as RandomResizedCrop draws it),
+    most of them through the shortened decode, and a truncated file, one cut inside its header
+    or one with a bad Huffman table fails as a full decode fails."""
     from torchvision import transforms as T
 
     from distnorm.data import transforms as DT
@@ -668,10 +682,11 @@ def test_decoding_down_to_the_crop_gives_the_pixels_of_a_full_decode(monkeypatch
 
 
 def test_tar_reader_reads_what_webdataset_reads(tmp_path, synth_shards, monkeypatch):
-    """Bugs caught: the fast ustar reader losing a member, a long (prefixed) name, the padding
-    after a member, or a sample's grouping; PAX, GNU or compressed shards (written by other
-    tools, or by distnorm-shards before 2026-11-23) read differently from WebDataset; a shard
-    cut inside a member or a header read as if whole."""
+    """The fast ustar reader reads what WebDataset reads: every member, long (prefixed) names,
+    the padding after a member and each sample's grouping; PAX, GNU and compressed shards
+    (written by other tools, or by distnorm-shards before 2026-11-23) read as WebDataset reads
+    them; and a shard cut inside a member or a header gives one error naming it instead of
+    being read as if whole."""
     import tarfile
 
     from distnorm.data import tars
@@ -717,8 +732,9 @@ def test_tar_reader_reads_what_webdataset_reads(tmp_path, synth_shards, monkeypa
 
 
 def test_shards_have_no_pax_headers(tmp_path):
-    """Bug caught: a float mtime in the writer adds a PAX header to every member, which
-    doubled the cost of reading the shards (Python's tarfile parses each header)."""
+    """Written shards have no PAX header: a float mtime in the writer adds one to every
+    member, which doubled the cost of reading the shards (Python's tarfile parses each
+    header)."""
     import tarfile
 
     source = D.SyntheticSource(num_samples=4, num_classes=2, image_size=16)
@@ -747,10 +763,11 @@ def _batches(loader) -> list:
 
 @pytest.mark.processes
 def test_torchvision_decoder_in_workers_and_deferred_to_the_main_process_agree(photo_shards):
-    """Bugs caught: the deferred path drawing the crop or flip in another order than the
-    in-worker path (other crops), decoding with another mode (grey / RGBA), a deferred batch
-    not decoded before it is yielded, exact-once evaluation lost on the deferred path.
-    (``decode_device="cuda"`` runs this path with nvJPEG: measured by ``make test-gpu``.)"""
+    """The torchvision decoder gives the same batches in the workers and deferred to the main
+    process: the same crops and flips (drawn in the same order, and PIL's), the same mode (not
+    grey or RGBA), every deferred batch decoded before it is yielded, and in evaluation every
+    sample exactly once on the deferred path too. (``decode_device="cuda"`` runs this path with
+    nvJPEG: measured by ``make test-gpu``.)"""
     urls, index = photo_shards
     common = dict(num_samples=index.total, batch_size=4, num_workers=2, transform="imagenet", image_size=24,
                   shuffle_buffer=8, seed=3, return_keys=True)
@@ -788,8 +805,8 @@ def test_decoder_settings_refused_with_the_setting_to_change():
 def test_the_presets_decode_device_accepts_are_those_whose_geometry_it_applies(preset):
     """The configuration refuses ``decode_device`` with a preset before torch is imported
     (``distnorm.data.specs.DEFERRED_PRESETS``); the geometry the preset builds says the same.
-    Bug caught: a preset's steps changed without the list (the device path would then refuse
-    at the first batch, or apply steps it does not implement)."""
+    A preset's steps cannot change without the list (the device path would then refuse at the
+    first batch, or apply steps it does not implement)."""
     from distnorm.data.specs import DEFERRED_PRESETS, TRANSFORM_PRESETS, _check_decoding
     from distnorm.data.transforms import _preset
 
@@ -805,8 +822,10 @@ def test_the_presets_decode_device_accepts_are_those_whose_geometry_it_applies(p
 
 
 def test_recipe_data_settings_reach_the_loaders(photo_shards):
-    """Bug caught: a ``data.*`` decoding setting parsed from the recipe but never handed to the
-    loaders."""
+    """The recipe's ``data.*`` decoding settings (``decoder``, ``decode_device``,
+    ``reduced_decode``) reach the loaders, and a value they cannot take is refused when the
+    configuration is read, before any worker starts. A setting parsed from the recipe but
+    never handed to the loaders would change nothing."""
     from distnorm.train.config import from_dict
     from distnorm.train.loop import build_loaders
 
@@ -834,9 +853,11 @@ def test_recipe_data_settings_reach_the_loaders(photo_shards):
 
 
 def test_shuffle_buffer_reads_no_sample_the_epoch_does_not_use():
-    """Bug caught: ``webdataset.shuffle`` over the endless resampled stream keeps its buffer
-    full to the end of the epoch, so each worker read up to a buffer's worth of samples it
-    never used (a quarter of an ImageNet epoch's reading at the recipes' defaults)."""
+    """The shuffle buffer over the endless resampled stream reads no sample the epoch does not
+    use: it pulls what the epoch needs (and a replacement for each sample that fails), and
+    yields each sample it read once, shuffled. ``webdataset.shuffle`` keeps its buffer full to
+    the end of the epoch, so each worker read up to a buffer's worth of samples it never used
+    (a quarter of an ImageNet epoch's reading at the recipes' defaults)."""
     from distnorm.data.loaders import _Demand, _shuffle_on_demand
 
     for needed, bufsize, failing in ((100, 30, set()), (100, 500, set()), (50, 20, {3, 17, 18, 40})):
@@ -864,9 +885,9 @@ def test_shuffle_buffer_reads_no_sample_the_epoch_does_not_use():
 @pytest.mark.processes
 def test_batch_buffers_reused_only_once_nothing_refers_to_them(photo_shards):
     """Workers write batches into shared buffers the main process gave back
-    (:mod:`distnorm.data.batches`). Bugs caught: a buffer given back while the batch, a view
-    of it or a NumPy array of it is still held (the kept values change under the caller);
-    buffers never reused (a fresh shared allocation per batch, the cost the pool removes)."""
+    (:mod:`distnorm.data.batches`). A buffer goes back only once nothing holds the batch, a
+    view of it or a NumPy array of it (the kept values would change under the caller), and
+    buffers are reused, not allocated fresh for each batch (the cost the pool removes)."""
     urls, index = photo_shards
     loader = D.TrainLoader(urls, num_samples=index.total, batch_size=1, num_workers=2, transform="imagenet",
                            image_size=24, shuffle_buffer=8, seed=3, pin_memory=False)
@@ -898,8 +919,8 @@ def _sum_when_told(images, go, out) -> None:
 @pytest.mark.processes
 def test_batches_a_forked_process_inherits_keep_their_buffers(photo_shards):
     """A process forked while a batch is held shares its buffer: that buffer must never go
-    back to its worker (distnorm.data.batches._before_fork). Bug caught: the child reads
-    later batches' values. Also: ``prefetch_factor=None`` (the DataLoader's 2) is accepted."""
+    back to its worker (distnorm.data.batches._before_fork), or the child would read later
+    batches' values. Also: ``prefetch_factor=None`` (the DataLoader's 2) is accepted."""
     import multiprocessing
 
     urls, index = photo_shards

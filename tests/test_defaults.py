@@ -31,7 +31,7 @@ def _net() -> nn.Module:
 def test_every_norm_label_has_one_spelling_everywhere():
     """``convert``, ``models.create`` and the configuration (YAML, flags, environment) accept
     the same labels, taken from ``distnorm.specs``; "keep the BatchNorm" is ``"keep"`` in all
-    of them and the configuration's default. Bugs caught: keep spelled ``None`` in
+    of them and the configuration's default. Before, keep was spelled ``None`` in
     ``convert``, ``"off"`` in the configuration and ``"local_bn"`` in the model zoo, while
     ``"none"`` meant remove."""
     assert NORM_LABELS == (*NORM_SPECS, REMOVE, KEEP)
@@ -111,9 +111,9 @@ def test_every_data_default_has_one_owner():
     """Each data setting's default is written once, in the section that owns it
     (``ImageSpec``: the image pipeline; ``LoaderSpec``: the loaders; ``DataConfig``: what
     only a recipe decides); the loaders, ``build_transform``, ``ImageTransform``, the
-    recipe and the command lines take it from there. Bugs caught: 8 training workers in the
-    recipe and 4 in ``TrainLoader``, 4 evaluation workers against 2, ``decoder="pil"``
-    written five times and ``image_size=224`` four."""
+    recipe and the command lines take it from there. Before, the recipe said 8 training
+    workers and ``TrainLoader`` 4, evaluation workers were 4 in one place and 2 in another,
+    ``decoder="pil"`` was written five times and ``image_size=224`` four."""
     owners = _owners()
     owned = {f.name: name for name, cls in owners.items() for f in dataclasses.fields(cls)}
     owned_here = {name: {f.name for f in dataclasses.fields(cls) if f.name in vars(cls).get("__annotations__", {})}
@@ -152,9 +152,9 @@ RECIPES = Path(__file__).resolve().parents[1] / "configs"
                                         for p in RECIPES.rglob("*.yaml")))
 def test_a_recipe_states_only_what_differs_from_what_it_extends(name):
     """A recipe sets a key only to change it: from its base recipe (``extends:``), and a base
-    from the sections' defaults. Bugs caught: ``configs/base/imagenet.yaml`` restating 24
-    defaults (lr 0.1, 8 workers, ``decoder: pil``, ...), every CBN recipe restating
-    ``rho: 1.0``, every POP-Norm recipe ``kappa: 4.0``."""
+    from the sections' defaults. Before, ``configs/base/imagenet.yaml`` restated 24
+    defaults (lr 0.1, 8 workers, ``decoder: pil``, ...), every CBN recipe restated
+    ``rho: 1.0`` and every POP-Norm recipe ``kappa: 4.0``."""
     from distnorm.train.config import TrainConfig, _merge, _read
 
     path = RECIPES / f"{name}.yaml"

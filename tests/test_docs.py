@@ -524,8 +524,8 @@ def test_imagenet_trial_runs_as_written(tmp_path):
     `--check` it ran, here, on the shards the script wrote: the overrides find them, the index's
     3 classes match `model.num_classes`, 2 processes divide the batch.
 
-    Bug caught: a trial whose overrides do not meet what its commands write (a shard or index
-    name, the class count, a batch two processes cannot split, a misspelt key)."""
+    So the trial's overrides meet what its commands write: the shard and index names, the class
+    count, a batch two processes can split, and keys spelt as the configuration spells them."""
     (block,) = [text for _, text in shell_blocks(ROOT / "docs" / "guides" / "imagenet.md", whole=True)]
     source, folder = tmp_path / "imagenet", tmp_path / "imagenet-3"
     for split, per_class in (("train", 6), ("val", 2)):
@@ -555,7 +555,7 @@ def test_imagenet_trial_runs_as_written(tmp_path):
 def test_the_extras_table_is_pyprojects():
     """The README's extras table names every extra pyproject.toml defines, and no other.
 
-    Bug caught: an extra added, renamed or dropped in pyproject.toml and not in the README (the
+    An extra added, renamed or dropped in pyproject.toml and not in the README fails here (the
     table replaced ten `pip install -e ".[x]"` lines that this file checked one by one)."""
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
     readme = (ROOT / "README.md").read_text()
@@ -570,10 +570,10 @@ def test_deepspeeds_op_is_built_inside_the_venv():
     venv's path>` (the root conftest.py sets TORCH_EXTENSIONS_DIR, which every process the
     tests start inherits): one directory per venv, and per path it is reached by.
 
-    Bugs caught: the setting dropped, so the venvs of one user share ~/.cache/torch_extensions
-    and rebuild the op for each other (two rebuilds of about 2 min each in a trial,
-    2026-11-26); one directory for two paths to one venv (a worktree's symlinked .venv), whose
-    build commands differ, so the two suites rebuilt it every 30-60 s (tests/README.md)."""
+    Without the setting the venvs of one user share ~/.cache/torch_extensions and rebuild the
+    op for each other (two rebuilds of about 2 min each in a trial, 2026-11-26); with one
+    directory for two paths to one venv (a worktree's symlinked .venv), whose build commands
+    differ, the two suites rebuilt it every 30-60 s (tests/README.md)."""
     if sys.prefix == sys.base_prefix:
         pytest.skip("pytest runs outside a virtualenv: the default directory is kept")
     seen_as = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
@@ -616,9 +616,9 @@ def test_a_block_that_needs_a_launcher_variable_fails(tmp_path, monkeypatch):
     variables torchrun sets fails, as it does for a user, even where pytest itself runs with
     them; the teardown gives them back.
 
-    Bug caught: the harness setting RANK, WORLD_SIZE, MASTER_ADDR, ... for every block (the
-    code before 2026-11-26: the README's DDP block passed its test and failed for a user with
-    "environment variable RANK expected, but not set"), or leaving the ones pytest inherited."""
+    Before 2026-11-26 the harness set RANK, WORLD_SIZE, MASTER_ADDR, ... for every block: the
+    README's DDP block passed its test and failed for a user with "environment variable RANK
+    expected, but not set". Nor does a block see the ones pytest inherited."""
     import socket
 
     with socket.socket() as s:
@@ -641,8 +641,8 @@ def test_a_torchrun_marker_runs_the_pages_blocks_on_n_ranks(tmp_path):
     second using the first's names) run once in the page's process and again as one script
     under torchrun on 2 ranks; a script that fails there fails the marker.
 
-    Bug caught: the marker running one rank, or only its own block, or passing whatever the
-    ranks return."""
+    So the marker runs every rank, not one, and all the page's blocks so far, not only its own
+    block, and it does not pass whatever the ranks return."""
     out = tmp_path / "out"
     out.mkdir()
     page = INIT_GROUP + f"""

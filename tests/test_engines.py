@@ -44,9 +44,9 @@ def _words(path: Path) -> set[str]:
 def test_the_core_names_no_engine():
     """The plugin, the consistency check and the wrapper registry read what an engine
     registered and never name one: not in code, messages, docstrings or comments (every
-    library of ``distnorm/integrations/``, ZeRO's names too). Bug caught: the core's
-    partitioned-parameter rule importing ``distnorm.integrations.deepspeed`` by name (the code
-    before), an error message naming an engine's call."""
+    library of ``distnorm/integrations/``, ZeRO's names too). Before, the core's
+    partitioned-parameter rule imported ``distnorm.integrations.deepspeed`` by name; no error
+    message names an engine's call either."""
     assert {"accelerate", "deepspeed", "lightning"} <= set(LIBRARIES)
     banned = {*LIBRARIES, "zero", "zero-3", "zero3", "accelerator", "pytorch-lightning"}
     for name in CORE:
@@ -59,8 +59,10 @@ def test_the_core_names_no_engine():
 
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_each_integration_registers_one_engine_named_after_its_library(library):
-    """Bug caught: an engine's facts spread over several registries (the code before:
-    ``register_wrapper``, ``register_engine`` and ``register_partitioned``, three doors)."""
+    """Each integration registers one engine, named after its library, with one
+    ``register_engine`` call and no monkeypatched ``save_checkpoint`` / ``load_checkpoint``.
+    Before, an engine's facts were spread over several registries (``register_wrapper``,
+    ``register_engine`` and ``register_partitioned``: three doors)."""
     pytest.importorskip(library)
     module = importlib.import_module(f"distnorm.integrations.{library}")
     assert module.ENGINE.library == library
@@ -101,8 +103,8 @@ def toy_engine(monkeypatch):
 def test_one_registration_is_all_a_new_engine_needs(toy_engine):
     """The core honours a registered engine in each of its places: surgery refuses its
     wrapper (naming it), ``follow`` reads its learning rate, and the consistency check leaves
-    its partitioned parameters out. Bugs caught: the registration's ``follow`` or
-    ``partitioned`` ignored (registry-follow-ignored, registry-partition-ignored)."""
+    its partitioned parameters out. Neither the registration's ``follow`` nor its
+    ``partitioned`` is ignored (mutants registry-follow-ignored, registry-partition-ignored)."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     plugin = distnorm.DistNormPlugin(model, distnorm.DistNormConfig(norm="cbn"))
     engine = _Toy(model)
@@ -154,9 +156,9 @@ def test_import_distnorm_imports_no_engine_and_an_engine_met_loads_its_integrati
     a training forward and a consistency check import no engine library (the plugin's hook
     imports ``torch._dynamo``); then a
     DeepSpeed engine met by ``wrapper_name`` loads DeepSpeed's integration by its library's
-    name (the script never imported it) and is named. Bugs caught: the registry importing
-    every integration instead of those of the libraries the script imported
-    (registry-loads-every-integration); an engine recognised by its class name."""
+    name (the script never imported it) and is named. The registry imports the integrations
+    of the libraries the script imported, not every integration (mutant
+    registry-loads-every-integration), and an engine is not recognised by its class name."""
     pytest.importorskip("deepspeed")
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS], cwd=REPO, env=env, capture_output=True,

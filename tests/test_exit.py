@@ -55,9 +55,11 @@ LAUNCHES = 1
 @pytest.mark.processes
 @pytest.mark.timeout(600)
 def test_the_module_level_ddp_script_exits_cleanly_under_torchrun(tmp_path):
-    """Bug caught: distnorm's collectives returning while gloo's worker still held their
-    tensors — check_consistency as the script's last call, then exit, aborted the process
-    (SIGABRT, "terminate called without an active exception")."""
+    """The README's plain-DDP example, its ``main()`` at module level, exits cleanly under
+    torchrun on 2 processes: exit status 0 and no "terminate called". Before, distnorm's
+    collectives returned while gloo's worker still held their tensors — check_consistency as
+    the script's last call, then exit, aborted the process (SIGABRT, "terminate called without
+    an active exception")."""
     script = tmp_path / "train.py"
     script.write_text(module_level((ROOT / "README.md").read_text()))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -74,9 +76,9 @@ def test_the_module_level_ddp_script_exits_cleanly_under_torchrun(tmp_path):
 
 def test_released_waits_for_the_last_other_holder_and_no_longer(monkeypatch):
     """``released`` returns once a reference taken inside it (by a thread, as gloo's worker
-    takes one) is dropped, and at once when none was taken. Bugs caught: the wait skipped;
-    a reference of its own counted after the collective and not before (every collective
-    then waited the whole patience: 2 s each)."""
+    takes one) is dropped, and at once when none was taken. The wait is not skipped, and its
+    own reference is counted before the collective, not after (counted after, every
+    collective waited the whole patience: 2 s each)."""
     monkeypatch.setattr(_release, "_PATIENCE_S", 30.0)
     t = torch.zeros(3)
     holder: list = []
@@ -114,8 +116,8 @@ def _references_left_behind(rank: int, world_size: int, rounds: int) -> int:
 def test_a_cpu_collective_returns_after_gloo_let_go_of_its_tensors(tmp_path):
     """The invariant that keeps distnorm out of the race, checked directly: when a distnorm
     all-reduce returns, gloo's worker holds none of its tensors (the frame's reference count is
-    already what it is at rest). Bug caught: the wait of distnorm/_release.py skipped — then
-    about 4 in 10 all-reduces returned with the worker's reference still pending."""
+    already what it is at rest). Without the wait of distnorm/_release.py about 4 in 10
+    all-reduces returned with the worker's reference still pending."""
     assert run_distributed(_references_left_behind, 2, tmp_path, 50) == [0, 0]
 
 
@@ -154,7 +156,9 @@ def _workers_left_after_destroy(rank: int, world_size: int) -> int:
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(120)
 def test_no_distnorm_cache_keeps_a_destroyed_group_alive(tmp_path):
-    """Bugs caught: the fused operators' kernel vote kept every group it saw
+    """No distnorm cache keeps a destroyed process group alive: after a training step and a
+    consistency check, destroy_process_group leaves no gloo worker thread on either rank.
+    Before, the fused operators' kernel vote kept every group it saw
     (``_kernel_choice._AGREED`` held the group object), and so did a layer's kept kernels, so
     destroy_process_group never destroyed the default group and gloo's worker threads ran on
     into interpreter shutdown, where the abort above waits."""

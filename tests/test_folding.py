@@ -2,7 +2,7 @@
 (``distnorm._folding``): the float64 reference's values and gradients, one process and two
 ranks, without the convolution's input gradient; and it folds only where that is safe.
 
-Each test names the bug it exists to catch."""
+Each test says the behaviour it holds; tests/README.md and tests/mutants.py name the bugs they catch."""
 
 from __future__ import annotations
 
@@ -106,8 +106,10 @@ def _step(pre: PreNorm, x: torch.Tensor, seed: torch.Tensor, lr: float):
 @pytest.mark.parametrize("conv", list(CONVS))
 @pytest.mark.parametrize("kind", ["cbn", "popnorm"])
 def test_folded_stem_equals_the_float64_reference(kind, conv):
-    """Bug caught: a fold that drops beta's path through the statistics (beta moves
-    ``mean(x1^2)``), or the border terms of the padding, gives gradients off by percents."""
+    """The folded stem equals the float64 reference at every step: its output, the gradients of
+    gamma, beta, the weight and the bias, and the buffers. A fold that drops beta's path
+    through the statistics (beta moves ``mean(x1^2)``), or the border terms of the padding,
+    gives gradients off by percents."""
     pre = _pre_norm(kind, conv)
     for step, (y_ref, grads_ref, buffers_ref) in enumerate(_reference_run(pre, kind, conv, 6)):
         x, seed = _batch(step, 6, CONVS[conv][1])
@@ -120,9 +122,11 @@ def test_folded_stem_equals_the_float64_reference(kind, conv):
 
 
 def test_the_folded_stem_computes_no_input_gradient():
-    """Bug caught: the stem CBN's gamma and beta asked for the stem convolution's gradient
-    with respect to the images, a full convolution backward that BatchNorm's model never
-    pays (``docs/reference/benchmarks.md``)."""
+    """The folded stem computes no convolution gradient with respect to the images: the only
+    input gradient is the one-image convolution's (batch 1), and the batch's (8) only when the
+    images require one. Otherwise the stem CBN's gamma and beta ask for the stem convolution's
+    gradient with respect to the images, a full convolution backward that BatchNorm's model
+    never pays (``docs/reference/benchmarks.md``)."""
     x, seed = _batch(0, 8, CONVS["2d-stem"][1])
     for requires_grad, expected in ((False, [1]), (True, [8])):  # folded: only the one-image convolution's
         pre = _pre_norm("cbn", "2d-stem")
@@ -153,12 +157,12 @@ class _CBNSubclass(distnorm.CBN):
 
 
 def test_it_folds_only_where_the_result_is_the_layers():
-    """Bugs caught: folding skipped a hooked module's call (DeepSpeed ZeRO-3 gathers a
-    convolution's weight in a pre-forward hook, FSDP2 a CBN's; BNP reads the convolution's
-    input in one) or an instance's replaced ``forward`` (Accelerate's ``cpu_offload``: the
-    weight stayed on ``meta`` and the output was garbage, without an error), changed a
-    subclass's forward (timm's ``StdConv2d`` standardizes its weight), ran in eval, or
-    ran under ``no_grad`` where it saves nothing."""
+    """A stem is folded only where the result is what its layers compute: not around a hooked
+    module's call (DeepSpeed ZeRO-3 gathers a convolution's weight in a pre-forward hook, FSDP2
+    a CBN's; BNP reads the convolution's input in one), nor an instance's replaced ``forward``
+    (Accelerate's ``cpu_offload``: folded, the weight stayed on ``meta`` and the output was
+    garbage, without an error), nor a subclass's forward (timm's ``StdConv2d`` standardizes its
+    weight), nor in eval, nor under ``no_grad`` where it saves nothing."""
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     x = _batch(0, 4, CONVS["2d-stem"][1])[0]
@@ -232,10 +236,13 @@ def _two_rank_worker(rank, world, kind, splits):
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("splits", [[3, 5], [4, 0]], ids=["3-5", "empty-rank"])
 def test_folded_on_two_ranks_equals_one_process(tmp_path, splits):
-    """Bug caught: the folded beta gradient used a global sum where the layer's is local (or
-    the reverse), so the ranks' sum missed the whole batch's by the other ranks' share; a
-    rank without samples ran a convolution kernel on an empty batch, or skipped the
-    statistics' collective and left the other rank waiting."""
+    """The folded stem on two ranks, an empty rank included, equals one process on the whole
+    batch: each rank's output is its rows of the reference's, the ranks' gradients sum to the
+    whole batch's, and the buffers are the reference's on both. So the folded beta gradient
+    sums over the rows the layer's does (a global sum where the layer's is local, or the
+    reverse, misses the whole batch's by the other ranks' share), and a rank without samples
+    runs no convolution kernel on an empty batch and still joins the statistics' collective
+    (skipping it would leave the other rank waiting)."""
     b0, b1 = run_distributed(_two_rank_worker, 2, tmp_path, "cbn", splits)
     for name in b0:
         assert torch.equal(b0[name], b1[name]), f"{name} differs between the ranks"
@@ -266,9 +273,11 @@ def _train(model: nn.Module, run=lambda model, x: model(x), steps=LRS) -> list[d
 @pytest.mark.processes  # torch.compile's workers
 @pytest.mark.timeout(600)
 def test_the_folded_stem_compiles_and_checkpoints_as_eager():
-    """Bug caught: the fold's stashed statistics were kept by nothing once the forward
-    returned, so the checkpointed recomputation found no plan (or the stash grew a plan per
-    step); under ``torch.compile`` the fold traced a host decision into the graph."""
+    """The folded stem trains compiled (``fullgraph=True``) as eager, to 1e-5, and under
+    non-reentrant checkpointing bit for bit, leaving nothing in the stash. Before, the fold's
+    stashed statistics were kept by nothing once the forward returned, so the checkpointed
+    recomputation found no plan (or the stash grew a plan per step), and under
+    ``torch.compile`` the fold traced a host decision into the graph."""
     model = _stem_model()
     assert isinstance(model[0], PreNorm)
     eager = _train(copy.deepcopy(model))
@@ -284,10 +293,10 @@ def test_the_folded_stem_compiles_and_checkpoints_as_eager():
 
 
 def test_the_folded_stem_keeps_channels_last_and_bf16_autocast():
-    """Bug caught: the one-image convolution's output (contiguous) turned a channels_last
-    stem's output contiguous, or autocast met a float32 operand it could not cast. Values
-    and gradients against the unfolded float32 layer: to float32 rounding in channels_last,
-    to bf16's under autocast."""
+    """The folded stem keeps a channels_last output channels_last, though the one-image
+    convolution's output is contiguous, and runs under bf16 autocast without meeting a float32
+    operand it cannot cast. Values and gradients against the unfolded float32 layer: to float32
+    rounding in channels_last, to bf16's under autocast."""
     model = _stem_model()
     distnorm.set_lr(model, 0.05)
     x = torch.randn(6, 3, 10, 10) + 0.5

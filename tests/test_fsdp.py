@@ -144,12 +144,14 @@ CASES = [
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("kind, flags, groups, resume_at", CASES)
 def test_sharded_ranks_match_one_process(tmp_path, kind, flags, groups, resume_at):
-    """Bug caught: statistics of layers inside FSDP units not synchronized (or synchronized
-    twice), BNP preconditioning a shard or a stale weight instead of the gathered one (FSDP1
-    puts plain views where the Parameters were), AMAT following the wrong parameter group
-    after FSDP wrapped or flattened the parameters, the periodic consistency check comparing
-    each rank's shard as if replicated (false InconsistentStateError), or a checkpoint
-    written / read through FSDP's state-dict API losing distnorm's buffers."""
+    """Layers inside FSDP units, on two ranks, train as one process on the whole batch
+    (learning rates, etas, losses, state), with the local buffers equal across the ranks: the
+    statistics are synchronized once, BNP preconditions the gathered weight (not a shard or a
+    stale weight: FSDP1 puts plain views where the Parameters were), AMAT follows its
+    parameter group after FSDP wrapped or flattened the parameters, the periodic consistency
+    check does not compare each rank's shard as if replicated (a false
+    InconsistentStateError), and a checkpoint written / read through FSDP's state-dict API
+    keeps distnorm's buffers."""
     ranks = run_distributed(_sharded_run, 2, tmp_path, kind, flags, groups, resume_at, timeout=110)
     ref = _reference(flags, groups)
     first = 0 if resume_at is None else resume_at
@@ -196,10 +198,11 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 @pytest.mark.timeout(60)
 @pytest.mark.world_size(2)
 def test_combinations_that_cannot_work_are_refused(tmp_path):
-    """Bug caught: under FSDP1 without use_orig_params the AMAT layers' weights are hidden in
-    FlatParameters, and follow() silently made every layer follow group 0 of an optimizer
-    whose groups have different learning rates; or convert / BNP applied to a model FSDP
-    already sharded (new parameters FSDP never gathers, reduces or shards)."""
+    """Combinations with FSDP that cannot work are refused, saying why: ``follow()`` under FSDP1
+    without use_orig_params when the optimizer's groups have different learning rates (the
+    AMAT layers' weights are hidden in FlatParameters, so every layer would silently follow
+    group 0), and convert or BNP applied to a model FSDP already sharded (new parameters FSDP
+    never gathers, reduces or shards)."""
     for found in run_distributed(_refusals, 2, tmp_path, timeout=50):
         assert "use_orig_params=True" in found["flat-groups"] and "2 parameter groups" in found["flat-groups"], found
         assert "wrapped by torch FSDP" in found["fsdp1-orig-convert"], found

@@ -140,8 +140,9 @@ def _run_plan_kernel(triton_module, args: tuple) -> tuple:
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 @pytest.mark.parametrize("case", CASES)
 def test_triton_plan_kernel_equals_composite(interpreted, case):
-    """Bugs caught: a formula of the kernel that differs from the composite (outputs or
-    buffer updates), a masked step that still writes, a counter or flag not updated."""
+    """The Triton kernel of ``distnorm::cbn_plan`` (run by Triton's interpreter) equals the
+    composite, case by case: the same outputs and buffer updates, counters and flags included,
+    and a masked step (an all-empty global batch) writes no buffer."""
     args = _plan_args(**CASES[case])
     composite_args, kernel_args = _clone(args), _clone(args)
     want = _composite.cbn_plan_composite(*composite_args)
@@ -155,9 +156,9 @@ def test_triton_plan_kernel_equals_composite(interpreted, case):
 @pytest.mark.parametrize("case", CASES)
 def test_cpu_plan_kernel_equals_composite(case):
     """The C kernel of ``distnorm::cbn_plan`` (:mod:`distnorm._cpu_kernels`, what synchronized
-    CPU layers run once their group agreed) against the composite, case by case. Bugs caught:
-    a formula that differs (outputs or buffer updates), a masked step that still writes, a
-    counter or flag not updated, the case not taken at all."""
+    CPU layers run once their group agreed) against the composite, case by case: the kernel
+    runs (not the composite), with the same formulas (outputs and buffer updates), every
+    counter and flag updated, and no write from a masked step."""
     args = _plan_args(**CASES[case])
     composite_args, kernel_args = _clone(args), _clone(args)
     want = _composite.cbn_plan_composite(*composite_args)
@@ -183,18 +184,20 @@ def _backward_args(device: str = "cpu") -> tuple:
 
 
 def test_cpu_backward_kernel_equals_composite():
-    """The C kernel of ``distnorm::backward_sums`` against the composite. Bugs caught: a
-    swapped or mis-scaled gradient or sum, ``w`` or the count not copied (the count truncated
-    as ``.to(int32)``)."""
+    """The C kernel of ``distnorm::backward_sums`` against the composite: every gradient and
+    sum in its place and at its scale, ``w`` and the count copied (the count not truncated as
+    ``.to(int32)`` would)."""
     args = _backward_args()
     _assert_close(torch.ops.distnorm.backward_sums(*args, "cpu"), _composite.backward_sums_composite(*args))
 
 
 def test_cpu_kernels_read_strided_arguments():
-    """Bug caught: the C kernel took the pointers of temporary ``.contiguous()`` copies that
-    were freed before the call, so a strided argument (the folded stem passed gamma's sums as
-    a diagonal) was read from freed memory: gradients of 1e25. (``cbn_plan``'s C kernel
-    takes contiguous statistics only, ``_kernels.cbn_plan``; it holds its copies the same way.)"""
+    """The C kernels read strided arguments: ``backward_sums`` with every tensor a strided view
+    gives the composite's values, call after call. Before, the C kernel took the pointers of
+    temporary ``.contiguous()`` copies that were freed before the call, so a strided argument
+    (the folded stem passed gamma's sums as a diagonal) was read from freed memory: gradients
+    of 1e25. (``cbn_plan``'s C kernel takes contiguous statistics only, ``_kernels.cbn_plan``;
+    it holds its copies the same way.)"""
     def strided(v: torch.Tensor) -> torch.Tensor:  # the same values, every other element of a larger tensor
         wide = torch.full((*v.shape[:-1], 2 * v.shape[-1]), float("nan"))
         wide[..., ::2] = v
@@ -271,8 +274,9 @@ def test_kernels_that_compute_something_else_here_are_refused(tmp_path, monkeypa
 
 
 def test_triton_state_says_which_kernels_run_and_why(monkeypatch, fresh_verdicts):
-    """What the GPU report prints (:func:`distnorm._kernel_choice.triton_state`). Bug caught: a
-    setting that is not understood (``DISTNORM_TRITON=off``) taken for the default."""
+    """What the GPU report prints (:func:`distnorm._kernel_choice.triton_state`). A setting
+    that is not understood (``DISTNORM_TRITON=off``) is not taken for the default: the state
+    names it, and a layer's step raises."""
     assert _kernel_choice.triton_state(device="cpu") == (False, _kernels.kernels_for(torch.device("cpu"))[1])
     assert "cpu tensors" in _kernel_choice.triton_state(device="cpu").reason
     monkeypatch.setenv("DISTNORM_TRITON", "0")
@@ -315,8 +319,9 @@ def test_layers_through_the_interpreted_kernels_equal_the_composite(interpreted,
 
 
 def test_triton_takes_only_tensors_on_the_statistics_device():
-    """Bug caught: a CPU 0-dim ``eta`` (the functional API passes a user's through) handed to
-    the CUDA kernel as a pointer. (``meta`` stands in for the CUDA device.)"""
+    """Triton takes a call only when every tensor is on the statistics' device: a CPU 0-dim
+    ``eta`` (the functional API passes a user's through) is never handed to the CUDA kernel as
+    a pointer. (``meta`` stands in for the CUDA device.)"""
     meta = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
     mean, buffers = meta(C), [meta(C), meta(C), meta(()), meta(C), meta(C), meta(())]
     assert _kernels._on_one_device(mean, None, *buffers, meta(C), meta(()))
@@ -342,8 +347,8 @@ def test_cuda_fused_operators_equal_composite(case):
     composite on the same CUDA tensors, each operator one launch of its kernel (counted).
     Skipped only where Triton is off here (``DISTNORM_TRITON=0``, not installed); where it
     is on and fails (its launcher cannot build, its kernels compute something else) this
-    fails, naming why. Bugs caught: a kernel's formula that differs on the GPU; a case the
-    operator hands to the composite instead of the kernel; before, a Triton that failed here
+    fails, naming why. Each kernel's formula is the composite's on the GPU, and no case the
+    operator should give the kernel goes to the composite. Before, a Triton that failed here
     made this test a skip (gpu-reading-2026-11-28, finding 6)."""
     verdict, reason = _kernel_choice._local_verdict(torch.device("cuda"))  # probes each kernel once, outside the count
     if verdict == _kernel_choice._OFF:
@@ -379,8 +384,8 @@ def _cuda_formula(g, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> torc
 def test_cpu_backward_elemt_is_the_cuda_kernel(dtype):
     """``distnorm::batch_norm_backward_elemt`` (the CPU kernel, :mod:`distnorm._cpu_kernels`)
     computes ATen's CUDA formula bit for bit, in every layout (a sliced input is made dense
-    first), with ``dx`` in the gradient's memory format. Bugs caught: a channel index off
-    for channels_last, a second rounding for bf16/fp16, FMA contraction (-ffp-contract)."""
+    first), with ``dx`` in the gradient's memory format: the channel index right for
+    channels_last, one rounding for bf16/fp16, and no FMA contraction (-ffp-contract)."""
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     gen = torch.Generator().manual_seed(0)
     for layout in ("2d", "3d", "4d", "channels_last", "channels_last_3d", "sliced"):
@@ -404,9 +409,9 @@ def test_cpu_statistics_are_atens():
     """``distnorm::batch_norm_update_stats`` (the CPU statistics, :mod:`distnorm._cpu_kernels`)
     returns ATen's ``batch_norm_update_stats`` bit for bit: contiguous float32 through the C
     kernel (rows shorter than, equal to and longer than its 32 partial sums, a tail, large
-    means), every other call through ATen's own; with 1 and 2 threads. Bugs
-    caught: a lane's tail dropped or added twice, the mean not rounded to float before the
-    squares, the variance divided in double."""
+    means), every other call through ATen's own; with 1 and 2 threads. Each lane's tail is
+    added once, the mean is rounded to float before the squares, and the variance is not
+    divided in double."""
     gen = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     cases = [((4, C, 5, 5), torch.float32, None), ((3, C, 7), torch.float32, None), ((2, C, 8, 8), torch.float32, None),
@@ -448,7 +453,7 @@ def test_the_one_pass_gradient_equals_atens_two_passes(kind, monkeypatch):
     ``sum_dy = r_mu S1``, ``sum_dy_xmu = q T``, ``count = [n]``) gives the input gradient of
     SPEC §1.1, as the two-pass form ``a g + B x + D`` (``DISTNORM_CPU_KERNEL=0``) does: both
     checked against each other here, and the one pass against float64 references in
-    ``test_layers.py``. Bug caught: ``sum_dy_xmu`` without ``q`` (the ratio r_sig lost)."""
+    ``test_layers.py``. ``sum_dy_xmu`` carries ``q``: without it the ratio r_sig is lost."""
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
         for channels_last in (False, True):
             one_pass = _layer_grads(kind, dtype, channels_last)
@@ -499,8 +504,9 @@ def _cpu_kernel_setting_worker(rank: int, world: int) -> str:
 @pytest.mark.world_size(2)
 def test_ranks_with_different_cpu_kernel_settings_raise_on_every_rank(tmp_path):
     """``DISTNORM_CPU_KERNEL=0`` on one rank only would round the backward's element-wise pass
-    differently there: the group's first step (its kernel vote, before the statistics)
-    raises on every rank, naming each rank's setting. Bug caught: the setting read per rank."""
+    differently there: the group's first step (its kernel vote, in the statistics all-reduce)
+    raises on every rank, naming each rank's setting. Read per rank, the setting would let the
+    ranks round differently without a word."""
     from tests.distributed import run_distributed
 
     for rank, message in enumerate(run_distributed(_cpu_kernel_setting_worker, 2, tmp_path, timeout=120)):
@@ -529,8 +535,9 @@ def _no_compiler_worker(rank: int, world: int, cache: str) -> str:
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(120)
 def test_a_rank_without_a_c_compiler_is_named_by_every_rank_at_the_first_step(tmp_path):
-    """A rank whose C kernels cannot be built votes so at the group's first step, before any
-    kernel runs: both ranks raise at the vote's collective, naming rank 1 and the fix. Bug caught: the kernels built at their first use — rank 1 raised before the
+    """A rank whose C kernels cannot be built votes so at the group's first step, which runs
+    ATen's statistics on every rank: both ranks raise at that collective, naming rank 1 and
+    the fix. Before, the kernels were built at their first use: rank 1 raised before the
     statistics all-reduce and rank 0 waited in it until the group's timeout."""
     from tests.distributed import run_distributed
 
@@ -558,10 +565,10 @@ def _kernels_per_step_worker(rank: int, world: int) -> list[list[str]]:
 @pytest.mark.world_size(2)
 @pytest.mark.timeout(120)
 def test_synchronized_layers_run_the_c_kernels_once_the_group_agreed(tmp_path):
-    """The group's first synchronized call votes on the kernels before its statistics, so
-    that call and every later one run the C kernels of distnorm._cpu_kernels (statistics and
-    the backward's element-wise pass), on every rank. Bug caught: the agreement never
-    recorded — every synchronized CPU step on ATen's slower kernels, which no value would show."""
+    """The group's first synchronized call (its vote) runs ATen's statistics; every later one,
+    the second layer of that step included, the C kernels of distnorm._cpu_kernels (statistics
+    and the backward's element-wise pass), on every rank. The agreement is recorded: otherwise
+    every synchronized CPU step runs ATen's slower kernels, which no value would show."""
     from tests.distributed import run_distributed
 
     ours = ["distnorm.batch_norm_update_stats.default", "distnorm.batch_norm_backward_elemt.default"]

@@ -7,8 +7,9 @@ cannot be imported -- a ``sitecustomize`` on ``PYTHONPATH`` wraps the import sys
 so that they find nothing under those names, as on a machine without them; nothing is put in
 their place -- and with pytest's plugin autoloading off.
 
-Bug caught: the root ``conftest.py`` importing Sybil unguarded (on 2026-11-26 the GPU tier
-stopped at collection, exit 4, and the report held nothing but that).
+The root ``conftest.py`` imports Sybil only where it can be imported: on 2026-11-26 it
+imported Sybil unguarded, and the GPU tier stopped at collection (exit 4), the report
+holding nothing but that.
 """
 
 from __future__ import annotations

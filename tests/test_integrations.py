@@ -157,9 +157,9 @@ def test_two_ranks_match_one_process(tmp_path, engine, two_rank_launch):
     Accelerate's 2-rank steps are also counted (every collective of each training step):
     ``prepare`` makes Accelerate build DDP without the per-forward buffer broadcast, with no
     DDP handler (``accelerate``) and with the script's own (``accelerate-bnp``), and the
-    consistency check runs every second step (``check_every=2``). Bug caught: the broadcast
-    left on in either case (equal buffers, one more collective per forward, invisible to the
-    comparison of values)."""
+    consistency check runs every second step (``check_every=2``). Left on in either case, the
+    broadcast would keep the buffers equal with one more collective per forward, invisible to
+    the comparison of values."""
     from tests.test_ddp_buffers import assert_no_buffer_broadcast, checks_per_step
 
     args = _split_args(engine)
@@ -209,9 +209,9 @@ def test_resume_in_fresh_processes_equals_uninterrupted(tmp_path, engine, two_ra
     The plugin's state rides in each engine's own checkpoint hook (Accelerate's
     ``register_for_checkpointing``, DeepSpeed's ``client_state``): the resumed plugin counts
     on from the saved training forwards, and a resume with another distnorm configuration
-    (CBN's rho 3 instead of 1) is refused on every rank, naming both. Bug caught: the plugin's
-    entry left out of the checkpoint (the count restarts at 0, the other configuration
-    resumes silently)."""
+    (CBN's rho 3 instead of 1) is refused on every rank, naming both. Without the plugin's entry
+    in the checkpoint, the count would restart at 0 and the other configuration would resume
+    silently."""
     shared = two_rank_launch(engine)
     trainings = _resume_args(engine, shared["root"])
     full = [shared[f"full{i}"] for i in range(len(trainings))]
@@ -292,9 +292,10 @@ def test_examples_run_under_torchrun(tmp_path, script, extra):
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("engine", [pytest.param(e, id=c.id) for e, c in OFF_IS_OFF.items()])
 def test_off_is_off(engine, two_rank_launch):
-    """Bug caught: with the plugin lines but no --distnorm flag, prepare() still turned DDP's
-    buffer broadcast off, so plain BatchNorm running statistics drifted apart per rank.
-    The run without the plugin is the launch's first: nothing the plugin does can reach it."""
+    """With the plugin lines but no --distnorm flag, a run equals one without the lines: the
+    same losses, parameters and buffers. Before, prepare() still turned DDP's buffer broadcast
+    off, so plain BatchNorm running statistics drifted apart per rank. The run without the
+    plugin is the launch's first: nothing the plugin does can reach it."""
     runs = two_rank_launch(engine)
     without, with_lines = runs["off-without"], runs["off-with"]
     for a, b in zip(with_lines, without):
@@ -334,7 +335,8 @@ def test_buffer_broadcast_stays_on_while_local_batchnorms_remain(caplog):
     pytest.param(3, 0.0, id="zero3-noclip"),   # every parameter sharded, no clipping
 ])
 def test_deepspeed_equals_one_plain_process_with_and_without_plugin(tmp_path, zero, clip):
-    """Bug report: a CBN model given to ``deepspeed.initialize`` without the plugin ended 4
+    """DeepSpeed, with and without the plugin, equals one plain-PyTorch process at every ZeRO
+    stage. A CBN model given to ``deepspeed.initialize`` without the plugin once ended 4
     steps 0.1-0.7 relative away from one process. The cause was DeepSpeed's default gradient
     clipping at norm 1.0 (DeepSpeed 0.19), which the plain reference did not apply; the plugin
     tests compared DeepSpeed with DeepSpeed on one rank, which clips alike. Here one

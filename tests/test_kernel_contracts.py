@@ -70,8 +70,11 @@ def _exercise(layer: nn.Module, dtype: torch.dtype, x: torch.Tensor, lr: float) 
 @pytest.mark.parametrize("kind", list(LAYERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_every_call_meets_the_cuda_kernel_contract(kind, dtype):
-    """Bug caught: native_batch_norm_backward called with undefined save_mean / weight (every
-    CUDA backward failed with 'save_mean should always be defined')."""
+    """Every batch-norm kernel call a layer makes, in every layout, with and without AMAT
+    history, meets the CUDA kernels' argument contract, and the paths are taken (ATen's
+    backward once; the one-pass element-wise backward where it applies). Before,
+    native_batch_norm_backward was called with undefined save_mean / weight: every CUDA
+    backward failed with 'save_mean should always be defined'."""
     for layout in LAYOUTS:
         for lr in (0.2, 0.01):  # no AMAT history, history
             checker = _exercise(LAYERS[kind](6), dtype, _layout(layout, 6), lr)
@@ -84,8 +87,10 @@ def test_every_call_meets_the_cuda_kernel_contract(kind, dtype):
 
 @pytest.mark.parametrize("kind", list(LAYERS))
 def test_an_empty_batch_calls_no_kernel_that_cuda_rejects(kind):
-    """Bug caught: evaluation on an empty batch called native_batch_norm with N = 0, which
-    CUDA's kernels reshape to (0, C, -1) and reject (the CPU kernel returns early)."""
+    """Evaluation on an empty batch, in every layout, calls no kernel that CUDA rejects and
+    gives an output and an input gradient of the input's shape, and zero weight gradients.
+    Before, it called native_batch_norm with N = 0, which CUDA's kernels reshape to (0, C, -1)
+    and reject (the CPU kernel returns early)."""
     layer = LAYERS[kind](6)
     distnorm.set_lr(layer, 0.01)
     layer(_layout("4d", 6))  # trained once: AMAT and running statistics are set
@@ -203,7 +208,8 @@ def _contract_worker(rank, world):
 
 @pytest.mark.world_size(2)
 def test_cuda_kernel_contract_when_synchronized(tmp_path):
-    """Bug caught: a rank without samples called native_batch_norm with N = 0 after the
-    forward all-reduce (CUDA raises; the other ranks would wait in the backward all-reduce
-    until the timeout)."""
+    """Synchronized on two ranks, with channels_last inputs on rank 1 and then no samples
+    there at all, every call meets the CUDA kernels' contract. Before, a rank without samples
+    called native_batch_norm with N = 0 after the forward all-reduce (CUDA raises; the other
+    ranks would wait in the backward all-reduce until the timeout)."""
     assert run_distributed(_contract_worker, 2, tmp_path) == [[], []]

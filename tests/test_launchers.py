@@ -81,9 +81,9 @@ def test_torchrun_sh_two_jobs_on_one_host_do_not_collide(digits, tmp_path):
 def test_deepspeed_sh_one_host_hostfile_runs_two_cpu_ranks(digits, tmp_path):
     """The real DeepSpeed runner with a one-host hostfile (2 slots, a comment and a blank
     line): it starts its local launcher, so the shard pattern must reach the workers as
-    written. Bugs caught: deepspeed.sh escaped the arguments whenever HOSTFILE was set (the
-    workers got `digits-train-\\{000000..000005\\}.tar`, "1 shard(s) missing"); the runner's
-    --local_rank=N was rejected by distnorm-train. The command built without a hostfile and
+    written. Before, deepspeed.sh escaped the arguments whenever HOSTFILE was set (the
+    workers got `digits-train-\\{000000..000005\\}.tar`, "1 shard(s) missing"), and
+    distnorm-train rejected the runner's --local_rank=N. The command built without a hostfile and
     with two hosts: test_deepspeed_sh_decides_by_the_number_of_hosts; two real hosts:
     tests/test_cluster.py."""
     run = tmp_path / "ds"
@@ -121,8 +121,8 @@ def test_deepspeed_sh_decides_by_the_number_of_hosts(tmp_path, hostfile_text, nu
     remains (runner.py: multi-node iff len(active_resources) > 1), left as written for one
     host; --check told the world size the runner will start. Stand-ins for python and the
     runner record their arguments (no training, milliseconds).
-    Bugs caught: escaping whenever HOSTFILE is set; counting `slots=` in comment lines; a
-    hostfile with NUM_GPUS counted as its slots."""
+    So the arguments are not escaped merely because HOSTFILE is set, `slots=` in comment lines
+    is not counted, and a hostfile with NUM_GPUS is not counted as its slots."""
     runner = pytest.importorskip("deepspeed.launcher.runner")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(hostfile_text)
@@ -194,7 +194,9 @@ def accelerate_two_processes(digits, tmp_path_factory):
 @pytest.mark.timeout(600)
 @pytest.mark.world_size(2)
 def test_accelerate_multi_cpu_yaml_starts_two_processes(accelerate_two_processes):
-    """Bug caught: the YAML promised 2 processes and `accelerate launch` started 1."""
+    """`accelerate launch` with the multi-CPU YAML starts the 2 processes the YAML promises:
+    the checkpoint holds a world size of 2 and one random state per process. Before, it
+    started 1."""
     manifest = _manifest(accelerate_two_processes)
     assert manifest["state"]["world_size"] == 2
     assert sorted(f for f in manifest["files"] if f.startswith("random_states")) == ["random_states_0.pkl",

@@ -187,9 +187,9 @@ def _every_rank_empty_worker(rank, world):
 @pytest.mark.world_size(2)
 def test_every_rank_empty_changes_nothing(tmp_path):
     """A global batch without a single sample (every rank empty) changes no buffer and gives
-    zero, finite parameter gradients. Bug caught: the 0 / 0 guard of the all-reduced count
-    dropped — NaN statistics, hidden from the buffers by the validity mask but not from CBN /
-    POP-Norm's bias gradient or BNP's moments (``lerp(buffer, NaN, 0)`` is NaN)."""
+    zero, finite parameter gradients. The 0 / 0 guard of the all-reduced count keeps them so:
+    without it the statistics are NaN, hidden from the buffers by the validity mask but not
+    from CBN / POP-Norm's bias gradient or BNP's moments (``lerp(buffer, NaN, 0)`` is NaN)."""
     run_distributed(_every_rank_empty_worker, 2, tmp_path)
 
 
@@ -251,7 +251,7 @@ def test_one_collective_forward_one_backward(tmp_path):
     """Every collective of any kind (all-reduce, broadcast, all-gather, barrier, object
     collectives) on every rank, in every phase: one all-reduce forward and one backward, and
     once per group, before the first layer's first statistics, the ranks' vote on the kernels.
-    Bug caught: an extra ``dist.broadcast`` in the synchronized forward (a wrapper around
+    An extra ``dist.broadcast`` in the synchronized forward is counted too (a wrapper around
     ``dist.all_reduce`` missed it)."""
     per_rank = run_distributed(_count_worker, 2, tmp_path)
     assert per_rank[0] == per_rank[1]
@@ -329,8 +329,8 @@ def _same_arithmetic_worker(rank, world, modes, monitor_rank=None, break_rank=No
 def test_a_monitored_rank_runs_the_arithmetic_of_the_others(tmp_path):
     """Both ranks' fused operators through Triton's kernels (the interpreter standing in for
     the GPU), the theory monitor on rank 0 only: after ten steps across AMAT's phases every
-    buffer is bit-identical on both ranks. Bug caught: the monitor's statistics sink sent
-    its rank's layers through the ATen composite while the other ranks ran Triton (not
+    buffer is bit-identical on both ranks. Before, the monitor's statistics sink sent its
+    rank's layers through the ATen composite while the other ranks ran Triton (not
     bit-identical: a multi-GPU run with monitors failed its consistency check at forward
     200 with InconsistentStateError)."""
     pytest.importorskip("triton")
@@ -345,8 +345,8 @@ def test_a_monitored_rank_runs_the_arithmetic_of_the_others(tmp_path):
 def test_ranks_that_differ_on_triton_agree_on_the_composite(tmp_path):
     """One rank would run Triton, the other has ``DISTNORM_TRITON=0``: the group agrees, at
     its first step and in the collective it issues anyway, on the composite for both (rank 0
-    warns, naming rank 1), and their buffers stay bit-identical. Bug caught: each process
-    choosing its kernels alone (a per-process Triton fallback does the same). The CPU's C
+    warns, naming rank 1), and their buffers stay bit-identical, where each process choosing
+    its kernels alone (as a per-process Triton fallback does) would break that. The CPU's C
     kernels are off on both ranks: they run Triton's program and can give its bits, where
     ATen's composite, which this group agrees on, does not."""
     pytest.importorskip("triton")
@@ -363,9 +363,8 @@ def test_ranks_that_differ_on_triton_agree_on_the_composite(tmp_path):
 def test_a_rank_whose_triton_fails_makes_every_rank_raise(tmp_path):
     """Rank 1's Triton cannot launch (a real failure: its compiled kernels on CPU tensors,
     no GPU driver), rank 0's works: both raise at the first step, after the same collective,
-    naming rank 1 and its error — neither waits for the other, neither falls back. Bug
-    caught: only the failing rank raising (rank 0 then waits in the next collective until
-    the timeout)."""
+    naming rank 1 and its error — neither waits for the other, neither falls back. If only
+    the failing rank raised, rank 0 would wait in the next collective until the timeout."""
     pytest.importorskip("triton")
     r0, r1 = run_distributed(_same_arithmetic_worker, 2, tmp_path, ("interpret", "interpret"), None, 1, timeout=120)
     for r in (r0, r1):

@@ -92,17 +92,16 @@ def _assert_matches_reference(split: list[dict], ref: dict, first_step: int = 0)
     ("popnorm_bnp", dict(norm="popnorm", bnp=True, check_every=3)),
 ])
 def test_two_lightning_ranks_match_one_process(runs, run, flags):
-    """Bug caught: AMAT reading a learning rate other than the one Lightning's scheduler left
-    for the step (eta off by one step), statistics not synchronized across Lightning's DDP
-    ranks, BNP moments computed per rank, or DDP broadcasting rank 0's buffers every forward
-    (which would hide per-rank buffers instead of proving them equal).
+    """Two Lightning DDP ranks match one process: AMAT reads the learning rate Lightning's
+    scheduler left for the step (eta not off by one step), the statistics are synchronized
+    across the ranks, BNP's moments are not computed per rank, and DDP does not broadcast rank
+    0's buffers every forward (which would hide per-rank buffers instead of proving them equal).
 
     Counted, every collective of each training batch: no buffer broadcast (setting
     ``broadcast_buffers = False`` on the built wrapper really stops it on torch 2.14), and the
-    consistency check at every ``check_every``-th batch only. Bugs caught: the broadcast left
-    on; the check twice as often as configured (the plugin's per-forward hook counted
-    Lightning's forward redirection and the ``self(x)`` inside ``training_step`` as two
-    forwards a step)."""
+    consistency check at every ``check_every``-th batch only, not twice as often (as when the
+    plugin's per-forward hook counted Lightning's forward redirection and the ``self(x)``
+    inside ``training_step`` as two forwards a step)."""
     split = _records(runs, run)
     assert split[0]["distnorm_file"].startswith(str(REPO)), split[0]["distnorm_file"]  # the tree under test
     for rank, record in enumerate(split):
@@ -123,9 +122,11 @@ def test_two_lightning_ranks_match_one_process(runs, run, flags):
 
 @pytest.mark.timeout(300)
 def test_lightning_resume_from_checkpoint_equals_uninterrupted(runs):
-    """Bug caught: the DDP strategy restores a checkpoint's weights before LayerSync.apply, so a
-    fresh process resuming fit(ckpt_path=...) loaded converted-model keys into the bare model
-    (missing CBN / BNP keys); or the plugin state was not carried by the checkpoint."""
+    """A fresh process resuming ``fit(ckpt_path=...)`` equals the uninterrupted run from step 3
+    on, the plugin's state (its count of training forwards included) carried in the checkpoint
+    by DistNormSync. The DDP strategy restores a checkpoint's weights before LayerSync.apply;
+    the resumed process must not load the converted model's keys into the bare model (missing
+    CBN / BNP keys)."""
     first, resumed = _records(runs, "first"), _records(runs, "resumed")
     assert first[0]["ckpt_callbacks"] == ["DistNormSync"]
     assert any(k.endswith("amat_mean") for k in first[0]["ckpt_keys"])
@@ -139,8 +140,8 @@ def test_lightning_resume_from_checkpoint_equals_uninterrupted(runs):
 
 @pytest.mark.timeout(300)
 def test_lightning_amat_follows_the_optimizer_holding_its_weight(runs):
-    """Bug caught: with several Lightning optimizers (manual optimization), AMAT followed the
-    first optimizer's learning rate instead of the one updating the norm's parameters."""
+    """With several Lightning optimizers (manual optimization), AMAT follows the learning rate
+    of the optimizer that updates the norm's parameters, not the first optimizer's."""
     for rank in _records(runs, "two_optimizers"):
         assert len(rank["etas"]) >= 3
         for (rest_lr, norm_lr), etas in zip(rank["lrs"], rank["etas"]):
@@ -150,9 +151,10 @@ def test_lightning_amat_follows_the_optimizer_holding_its_weight(runs):
 
 @pytest.mark.timeout(300)
 def test_lightning_second_fit_follows_the_new_optimizer(runs):
-    """Bug caught: revert() at the end of fit stopped AMAT following the optimizer, and a
-    second fit of the same module (a new Trainer, new optimizers) never resumed it: AMAT kept
-    the last learning rate of the first fit."""
+    """A second fit of the same module (a new Trainer, new optimizers) has AMAT follow the new
+    optimizer's learning rate at every step. Before, revert() at the end of fit stopped AMAT
+    following the optimizer, and the second fit never resumed it: AMAT kept the last learning
+    rate of the first fit."""
     for rank in _records(runs, "refit"):
         assert rank["steps"] == [0, 1, 2, 0, 1, 2] and rank["broadcast_buffers"] is False
         assert [e[0] for e in rank["etas"]] == pytest.approx([1 - 10 * lr for lr in rank["lrs"]])
@@ -160,11 +162,11 @@ def test_lightning_second_fit_follows_the_new_optimizer(runs):
 
 @pytest.mark.timeout(300)
 def test_lightning_off_is_off(runs):
-    """Bug caught: DistNormSync with a configuration that changes nothing still converted the
-    model, turned DDP's buffer broadcast off (per-rank BatchNorm statistics would drift),
-    added a collective to a step or wrote an entry into Lightning's checkpoints. The
-    collectives are counted: the same with the lines as without, the buffer broadcast in
-    every batch (so the counter sees it)."""
+    """DistNormSync with a configuration that changes nothing changes nothing: it does not
+    convert the model, leaves DDP's buffer broadcast on (without it per-rank BatchNorm
+    statistics would drift), adds no collective to a step and writes no entry into Lightning's
+    checkpoints. The collectives are counted: the same with the lines as without, the buffer
+    broadcast in every batch (so the counter sees it)."""
     off, plain = _records(runs, "off"), _records(runs, "plain")
     for a, b in zip(off, plain):
         assert a["collectives"] == b["collectives"], (a["collectives"], b["collectives"])
@@ -181,8 +183,9 @@ def test_lightning_off_is_off(runs):
 
 @pytest.mark.timeout(300)
 def test_lightning_plugin_without_callback_is_refused(runs):
-    """Bug caught: DistNormSync given only in plugins=[...] converted the model but AMAT never
-    learned the learning rate and the checkpoint could not be resumed — silently."""
+    """DistNormSync given only in ``plugins=[...]`` is refused, the error showing
+    ``plugins=[sync], callbacks=[sync]``. Given there alone, it converted the model but AMAT
+    never learned the learning rate and the checkpoint could not be resumed — silently."""
     for rank in _records(runs, "plugin_only", error_expected=True):
         assert "plugins=[sync], callbacks=[sync]" in rank["error"], rank["error"]
 
@@ -190,9 +193,10 @@ def test_lightning_plugin_without_callback_is_refused(runs):
 @pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_lightning_example_runs_on_two_processes(tmp_path):
-    """Bug caught: examples/lightning_train.py (what the guide shows) drifting from the
-    integration: a renamed class or flag, the sync missing from callbacks, or a checkpoint
-    without distnorm's state and converted layers."""
+    """examples/lightning_train.py (what the guide shows) runs on two processes with the
+    integration as it is: 3 steps done, and a checkpoint holding distnorm's state and the
+    converted layers. A renamed class or flag, or the sync missing from callbacks, fails here:
+    the example cannot drift from the integration."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, str(REPO / "examples" / "lightning_train.py"), "--accelerator", "cpu", "--devices", "2",
            "--distnorm", "cbn", "--distnorm-bnp", "--max-steps", "3", "--batch-size", "8",

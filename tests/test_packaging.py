@@ -9,10 +9,10 @@ through a ``.pth`` file, which puts them after its own site-packages: the wheel'
 ``distnorm`` is the one imported (asserted), not the clone's. Every command runs in a
 directory outside the clone, with no ``PYTHONPATH``.
 
-Bugs caught: the recipes, the DeepSpeed JSON or the launchers missing from the wheel (it held
-the Python package only: ``distnorm-train --config configs/demo/digits.yaml`` said "does not
-exist" outside a clone); a subpackage left out of pyproject.toml's package list;
-``distnorm-train --help`` ending in a ``ModuleNotFoundError`` traceback without PyYAML.
+The wheel holds the recipes, the DeepSpeed JSON and the launchers (when it held the Python
+package only, ``distnorm-train --config configs/demo/digits.yaml`` said "does not exist"
+outside a clone) and every subpackage (none left out of pyproject.toml's package list);
+without PyYAML, ``distnorm-train --help`` does not end in a ``ModuleNotFoundError`` traceback.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def test_a_missing_optional_dependency_names_the_extra_to_install(installed, com
     """A command of the installed wheel whose extra's package cannot be imported: one line
     naming the module and ``pip install "distnorm[EXTRA]"``, no traceback. ``--check``, which
     imports none of the training's modules, looks each up (a missing one said before the queue
-    wait, not by every worker after it). Bug caught: the check passing without Pillow."""
+    wait, not by every worker after it): without Pillow, the check does not pass."""
     proc = installed.run(*command, blocked=(hidden,))
     assert proc.returncode != 0
     assert f'pip install "distnorm[{extra}]"' in proc.stderr and repr(hidden) in proc.stderr, proc.stderr

@@ -31,8 +31,8 @@ def _configuration_worker(rank, world):
 def test_ranks_with_different_configurations_are_refused(tmp_path):
     """README: "At attach time the configuration is hashed and compared across ranks (a
     ``ValueError`` lists each rank's configuration if they differ)". Every rank raises, none is
-    left waiting in a collective. Bug caught: the comparison skipped (rank 1 trained with
-    rho = 2 next to rank 0's rho = 1)."""
+    left waiting in a collective. Were the comparison skipped, rank 1 would train with rho = 2
+    next to rank 0's rho = 1."""
     for message in run_distributed(_configuration_worker, 2, tmp_path, timeout=60):
         assert "the distnorm configuration differs across ranks" in message, message
         assert "ranks [0]" in message and "ranks [1]" in message and '"rho": 2.0' in message, message
@@ -40,8 +40,9 @@ def test_ranks_with_different_configurations_are_refused(tmp_path):
 
 def test_each_amat_layer_follows_the_group_holding_its_weight():
     """README: "``follow(optimizer)`` makes AMAT read, before every training forward, the
-    learning rate of the parameter group holding each layer". Bug caught: every layer
-    following group 0 (the second CBN, in a group of its own, ran on the backbone's lr)."""
+    learning rate of the parameter group holding each layer". Each layer follows its own
+    group, not group 0: the second CBN, in a group of its own, does not run on the backbone's
+    lr."""
     model = _model()
     plugin = distnorm.DistNormPlugin(model, distnorm.DistNormConfig(norm="cbn"))
     first, second = plugin.amat_layers

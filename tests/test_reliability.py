@@ -175,8 +175,10 @@ def two_rank_run(digits, tmp_path_factory) -> Path:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, digits, damage, two_rank_run):
-    """Bug caught (flipped byte): verification that compares sizes but skips the SHA-256
-    resumes from the damaged checkpoint."""
+    """A damaged latest checkpoint (a byte flipped, or the file cut in half) is declared
+    unusable by every rank, saying why, and the run falls back to the previous one (step 4).
+    Verification compares the SHA-256, not only the sizes: otherwise a flipped byte resumes
+    from the damaged checkpoint."""
     run = tmp_path / "run"
     shutil.copytree(two_rank_run, run)
     base = _overrides(digits, run, *_CHECKPOINTED)
@@ -204,7 +206,7 @@ def test_corrupt_shard_fails_all_ranks_or_is_skipped(tmp_path, digits):
     """A shard damaged after the start-up checks (same size: the size check passes it) fails
     every rank, the reading rank saying so in one line that names the shard and the override
     to type (data.on_error=skip, not the loader's keyword); with that override it is skipped.
-    Bug caught: the hint named the loader's keyword (on_error='skip'), which a recipe user
+    Before, the hint named the loader's keyword (on_error='skip'), which a recipe user
     cannot pass."""
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -311,9 +313,11 @@ def test_setup_mismatches_raise_on_every_rank(tmp_path, digits, what, expected):
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs to fill (needs root)")
 def test_full_disk_while_checkpointing_stops_every_rank_cleanly(tmp_path, digits):
-    """A real full file system (a 4 MiB tmpfs: room for one 2.2 MB checkpoint, not two).
-    Bug caught: every rank died with 'basic_ios::clear: iostream error' and the partial
-    directory stayed behind."""
+    """A real full file system (a 4 MiB tmpfs: room for one 2.2 MB checkpoint, not two) stops
+    every rank cleanly: each says which checkpoint was not written, that no space is left and
+    how much is free; no partial directory stays behind, and the earlier checkpoint is intact.
+    Before, every rank died with 'basic_ios::clear: iostream error' and the partial directory
+    stayed behind."""
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4M", "tmpfs", str(disk)], check=True)
@@ -345,9 +349,9 @@ def test_a_failed_checkpoint_write_stops_every_rank_and_leaves_the_previous_late
     """The write stage alone, on a disk with room left: ``torch.save`` reports a full disk as
     ``RuntimeError: ... iostream error`` after part of a file was written, and one rank's write
     can fail while the others' succeed (two ranks simulated: ``gather`` returns both ranks'
-    failure texts). Bug caught: that error swallowed — rank 0 then wrote a manifest of the
-    partial files, and a truncated checkpoint verified and became ``latest``. (The tmpfs test
-    above does not see it: there the manifest's own write hits the full disk.)"""
+    failure texts). That error is not swallowed: swallowed, it let rank 0 write a manifest of
+    the partial files, and a truncated checkpoint verified and became ``latest``. (The tmpfs
+    test above does not see it: there the manifest's own write hits the full disk.)"""
     import errno
 
     from distnorm.train.checkpoint import CheckpointManager, CheckpointWriteError, verify_checkpoint
@@ -387,7 +391,7 @@ def test_ctrl_c_during_the_commit_waits_until_latest_names_the_checkpoint(tmp_pa
     """A SIGINT that arrives after the checkpoint's directory is renamed into place and before
     ``latest`` names it (here: sent by the fsync of ``latest.tmp``) is delivered once the commit
     is done: the KeyboardInterrupt comes, and ``latest`` names the new, complete checkpoint.
-    Bug caught (a ``make test`` failure by chance, 2026-11-26): the interrupt landed in that
+    On 2026-11-26 a ``make test`` run failed by chance here: the interrupt landed in that
     window, the run's one line said there was no checkpoint, and ``latest`` was missing though
     ``step_000000004`` was complete on disk."""
     from distnorm.train import checkpoint

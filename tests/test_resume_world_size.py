@@ -51,8 +51,8 @@ def test_resume_on_another_world_size_when_allowed_both_ways(tmp_path, digits):
     over exactly (digest of the loaded state = digest of the checkpoint's files), training
     goes on at the start of the next epoch (the checkpoints are mid-epoch) with the global
     step and the global batch of the checkpoint.
-    Bugs caught: a resume on another world size that silently restarts from scratch, loads
-    another checkpoint, drops the optimizer state, or keeps the old mid-epoch data position."""
+    Such a resume never silently restarts from scratch, loads another checkpoint, drops the
+    optimizer state, or keeps the old mid-epoch data position."""
     run = tmp_path / "run"
     _launch(2, run, digits, "train.max_steps=6")
     latest = (run / "checkpoints" / "step_000000006", {"world_size": 2})

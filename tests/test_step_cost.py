@@ -2,7 +2,7 @@
 launch each), activation passes (the bytes a memory-bound kernel moves, over the input's
 size), host synchronisations. Ceilings at today's counts: a change that adds one fails here.
 
-Each test names the bug it exists to catch."""
+Each test says the behaviour it holds; tests/README.md and tests/mutants.py name the bugs they catch."""
 
 from __future__ import annotations
 
@@ -77,10 +77,13 @@ def _check_counts(counts: dict, column: int) -> None:
 
 
 def test_dispatched_ops_and_host_syncs_per_step():
-    """Bugs caught: 126 ops per CBN step (most of them tiny float64 ops and dtype round
-    trips), then 45 (per-channel algebra as separate ATen calls), a host sync on the hot
-    path; 10 activation passes per CBN / POP-Norm step (the backward's element-wise part as
-    an affine map of x, then ``addcmul_`` of dy)."""
+    """A local training step of CBN (with and without AMAT history), POP-Norm and SyncBatchNorm
+    stays within its budget of dispatched ops and activation passes, with no host sync;
+    ``nn.BatchNorm2d``'s 7 ops and 5 passes are the reference point the README quotes.
+    Before, a CBN step took 126 ops (most of them tiny float64 ops and dtype round trips),
+    then 45 (per-channel algebra as separate ATen calls), with a host sync on the hot path,
+    and a CBN / POP-Norm step 10 activation passes (the backward's element-wise part as an
+    affine map of x, then ``addcmul_`` of dy)."""
     _check_counts(_count_all(), 0)
     bn2d = _count_bn2d()
     assert (len(bn2d), bn2d.passes) == (7, 5)  # the reference point the README quotes
@@ -103,9 +106,11 @@ STEM_OPS = {"folded": 26, "unfolded": 11}
 
 
 def test_the_folded_stem_trades_the_input_gradient_for_small_operators():
-    """Bug caught: the fold's per-channel algebra written as autograd arithmetic (38 ops a
-    step: each multiply and subtraction of gamma and beta dispatched forward and backward)
-    instead of one Function whose backward is ``distnorm::backward_sums``, as the layer's."""
+    """The folded stem runs one more, small convolution backward (the one-image convolution's)
+    than the unfolded one, within its budget of ops and with no host sync: its per-channel
+    algebra is one Function whose backward is ``distnorm::backward_sums``, as the layer's.
+    Written as autograd arithmetic, it took 38 ops a step (each multiply and subtraction of
+    gamma and beta dispatched forward and backward)."""
     x = torch.randn(8, 3, 32, 32)
     counts = {}
     for mode in STEM_OPS:
@@ -153,11 +158,13 @@ def test_dispatched_ops_when_synchronized(tmp_path):
 
 
 def test_no_host_sync_on_any_per_step_path():
-    """Bugs caught: ``torch.tensor(value, device=...)`` (a host-to-device copy the host waits
-    for) in the functional API (every call), in evaluation with ``eval_stats="auto"`` (once
-    per layer) and in compiled BNP (once per layer per step; a compiled step is now one graph,
-    and a host read there would break it: ``tests/test_compile.py``); ``bool(eta > 0)`` in
-    ``functional.cbn``."""
+    """No per-step path waits for the host: the functional API (``eta`` as a float or a tensor,
+    training and evaluation), POP-Norm's and SyncBatchNorm's functional forms, and CBN's
+    evaluation with ``eval_stats="auto"``. Before, ``torch.tensor(value, device=...)`` (a
+    host-to-device copy the host waits for) ran in the functional API (every call), in
+    evaluation with ``eval_stats="auto"`` (once per layer) and in compiled BNP (once per layer
+    per step; a compiled step is now one graph, and a host read there would break it:
+    ``tests/test_compile.py``), and ``functional.cbn`` read ``bool(eta > 0)``."""
     from distnorm import functional
 
     x = torch.randn(8, 6, 4, 4, requires_grad=True)
@@ -185,10 +192,10 @@ def test_no_host_sync_on_any_per_step_path():
 
 
 def test_a_tensor_learning_rate_is_never_read_on_the_host():
-    """Capturable and fused optimizers keep the learning rate as a tensor on the GPU. Bug
-    caught: ``float(lr)`` in ``set_lr`` — a host synchronisation per step (per layer). Now
-    ``eta`` is computed on the device, and the step equals one driven by the same value as a
-    float."""
+    """Capturable and fused optimizers keep the learning rate as a tensor on the GPU, and
+    ``set_lr`` never reads it on the host (``float(lr)`` there was a host synchronisation per
+    step, per layer): ``eta`` is computed on the device, and the step equals one driven by the
+    same value as a float."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
                           nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 3))

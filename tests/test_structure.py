@@ -98,8 +98,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_circle_and_no_distnorm_import_inside_a_function():
-    """Bugs caught: a circle of imports hidden by imports inside functions (specs.build()
-    importing layers, the operators importing bnp)."""
+    """distnorm's modules import one another in no circle, and never inside a function, where
+    an import hid a circle before (specs.build() importing layers, the operators importing
+    bnp)."""
     graph, inside_functions = _graph()
     # (Integrations are loaded by name through importlib where an engine is met: a plugin
     # mechanism, not an import this walk sees. Docstring examples are not code.)
@@ -114,7 +115,7 @@ def test_the_command_lines_check_path_imports_no_torch():
     configuration, the data settings, the checks -- imports no torch, so ``--check`` and a
     refused configuration cost a tenth of a second, not ``import torch``'s second or more in
     every process of a launch (tests/test_train.py runs them with torch made unimportable).
-    Bugs caught: the check path importing the loaders, the zoo's networks or the engines."""
+    The check path imports neither the loaders, the zoo's networks nor the engines."""
     modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
     path, todo, torch_imports = set(), [CHECK_PATH_ENTRY], {}
     while todo:
@@ -144,8 +145,10 @@ def _module_path(module: str) -> Path:
 
 
 def test_the_core_layers_sit_below_specs_builders_and_bnp():
-    """Bugs caught: the specs importing a layer again; BNP's statistics moving back above the
-    operators."""
+    """The core layers sit below the specs' builders and BNP: ``distnorm.specs`` imports only
+    ``distnorm.settings``, which imports nothing of distnorm, so the specs import no layer
+    again; and BNP's statistics stay below the operators (``_bnp_functions`` imports no
+    ``_functions``, ``_functions`` no ``distnorm.bnp``)."""
     graph, _ = _graph()
     assert graph["distnorm.specs"] == {"distnorm.settings"} and graph["distnorm.settings"] == set()
     assert "distnorm.bnp" not in graph["distnorm._functions"]
@@ -173,10 +176,10 @@ def _reaches(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_no_room_imports_one_above_it_and_none_is_too_large():
     """The basement under the layers in one direction: every room imports only the rooms below
     it (``BASEMENT``), none imports the package back (its names load the layers, which sit
-    above: the package's lazy names are arrows here), and no module passes 600 lines. Bugs
-    caught: ``_functions`` importing ``distnorm`` for its torch check (an arrow back up to the
-    package, 8 upward edges in all); the statistics' module calling an operator declared
-    above it; ``_functions.py`` at 898 lines with five concerns."""
+    above: the package's lazy names are arrows here), and no module passes 600 lines. Before,
+    ``_functions`` imported ``distnorm`` for its torch check (an arrow back up to the package,
+    8 upward edges in all), the statistics' module called an operator declared above it, and
+    ``_functions.py`` had 898 lines with five concerns."""
     graph, _ = _graph()
     exports = {f"distnorm.{module or name}" for name, module in distnorm._EXPORTS.items()}
     graph["distnorm"] |= exports  # the lazy names: what `distnorm.X` imports at first use
@@ -192,8 +195,8 @@ def test_no_room_imports_one_above_it_and_none_is_too_large():
 def test_operators_are_called_only_through_the_room_that_declares_them():
     """``distnorm._ops`` alone declares operators (one ``torch.library.Library``) and names
     their overloads; every other room calls ``_ops.<name>``, so a room that calls an operator
-    imports the room that declares it and sits above it. Bugs caught: ``_collectives`` and
-    ``_bnp_functions`` calling ``torch.ops.distnorm.*`` declared above them (they worked only
+    imports the room that declares it and sits above it. Before, ``_collectives`` and
+    ``_bnp_functions`` called ``torch.ops.distnorm.*`` declared above them (they worked only
     because ``distnorm/__init__`` had imported the declaring module first)."""
     graph, _ = _graph()
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -214,12 +217,12 @@ def test_a_layer_step_walks_down_module_functional_operators_collectives():
     """The path of a training step, in one direction: the layers call ``functional`` (never
     the operators, no closure), ``functional`` the step (``_functions``), which calls the
     collectives, the group's kernel choice and the one operator module, ``_ops``, which alone
-    declares operators (one ``torch.library.Library``). Bugs caught: the layers handing
-    ``functional`` a closure over the operators (the code before: layer -> functional -> back
-    up into the layer's lambda -> _ops -> _functions); operators declared in two modules
-    (``_ops`` with ``custom_op``, the kernels' module with a ``Library``); an operator
-    signature of 21 names; a list whose length said what it held (``moments`` as ``[mean,
-    var]``, ``[mean, var, count]`` or ``[mean, var, count, valid]``)."""
+    declares operators (one ``torch.library.Library``). Before, the layers handed
+    ``functional`` a closure over the operators (layer -> functional -> back up into the
+    layer's lambda -> _ops -> _functions); operators were declared in two modules (``_ops``
+    with ``custom_op``, the kernels' module with a ``Library``); an operator signature had 21
+    names; and a list's length said what it held (``moments`` as ``[mean, var]``, ``[mean,
+    var, count]`` or ``[mean, var, count, valid]``)."""
     import inspect
 
     from distnorm import layers
@@ -252,8 +255,11 @@ def test_a_layer_step_walks_down_module_functional_operators_collectives():
 
 
 def test_specs_build_every_layer_and_convert_goes_through_them():
-    """Bugs caught: convert building SyncBatchNorm / GroupNorm itself with defaults of its
-    own; GroupNorm's 32 groups hidden in code."""
+    """The specs build every layer with the package's defaults (``EPS``, ``MOMENTUM``,
+    GroupNorm's 32 groups as ``GNSpec.default_groups``), and what convert builds goes through
+    them: a replaced BatchNorm's eps, momentum and Parameters are kept unless the spec sets
+    them. Convert builds no SyncBatchNorm / GroupNorm itself with defaults of its own, and
+    GroupNorm's 32 groups are not hidden in code."""
     assert isinstance(CBNSpec(rho=2.0).build(8), distnorm.CBN)
     assert distnorm.POPNorm(8).kappa == POPNormSpec.kappa == POPNormSpec().build(8).kappa
     new_bn = SyncBNSpec().build(8)
@@ -269,8 +275,10 @@ def test_specs_build_every_layer_and_convert_goes_through_them():
 
 
 def test_functional_cbn_evaluates_like_the_module():
-    """Bug caught: ``eval_stats=None`` meaning "auto" in CBN() but "amat" in
-    functional.cbn(spec=CBNSpec()): the module and the functional form evaluated differently."""
+    """``functional.cbn(spec=CBNSpec())`` evaluates like the CBN module, bit for bit: its
+    ``eval_stats=None`` means "auto" in both. Before, it meant "auto" in CBN() but "amat" in
+    functional.cbn(spec=CBNSpec()), and the module and the functional form evaluated
+    differently."""
     layer = distnorm.CBN(4)
     distnorm.set_lr(layer, 0.2)  # eta = 0: "auto" evaluates with the running statistics
     for _ in range(3):
@@ -286,7 +294,9 @@ def test_functional_cbn_evaluates_like_the_module():
 
 
 def test_bnp_history_weight_is_called_decay_everywhere():
-    """Bugs caught: BNP's history weight under four names; ``BNPHandle.config.exclude``
+    """BNP's history weight is called ``decay`` everywhere (``attach``, the handle's config,
+    its saved state, ``BNPSpec``; ``momentum`` is refused), and ``BNPHandle.config.exclude``
+    holds the excluded names. Before, the weight had four names and ``config.exclude`` was
     always ``()``."""
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     handle = distnorm.bnp.attach(model, decay=0.9, exclude=["2", nn.ReLU])
@@ -301,8 +311,10 @@ def test_bnp_history_weight_is_called_decay_everywhere():
 
 
 def test_sync_group_size_is_the_ranks_per_group():
-    """Bug caught: ``group_size`` meaning ranks per group in the config and channels per group
-    in GNSpec (the configuration says ``sync_group_size``; ``group_size`` is GroupNorm's)."""
+    """The ranks per synchronization group are ``sync_group_size`` in the configuration (dict
+    and environment), which refuses ``group_size``: that is GroupNorm's channels per group in
+    GNSpec. Before, ``group_size`` meant ranks per group in the config and channels per group
+    in GNSpec."""
     assert distnorm.DistNormConfig.from_dict({"norm": "cbn", "sync_group_size": 2}).sync_group_size == 2
     assert distnorm.DistNormConfig.from_env({"DISTNORM_SYNC_GROUP_SIZE": "4"}).sync_group_size == 4
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['group_size'\]"):
@@ -312,8 +324,9 @@ def test_sync_group_size_is_the_ranks_per_group():
 
 
 def test_one_way_to_declare_and_read_every_setting():
-    """Bugs caught: a configuration value declared outside a Section (no check, no help); a
-    key the generated help (``distnorm-train --help-config``) does not list."""
+    """Every setting is declared in a frozen Section with a help text, and the generated help
+    (``distnorm-train --help-config``) lists every key. A configuration value declared outside
+    a Section would have no check and no help."""
     import dataclasses
 
     from distnorm.settings import Section
@@ -357,8 +370,8 @@ def test_import_distnorm_loads_no_torch_and_every_public_name_resolves():
     """``import distnorm`` is lazy (PEP 562): the command line's check pays no torch, and a
     user's ``distnorm.X`` still finds every name of ``__all__`` and every submodule. Where
     torch cannot be imported at all (``sys.modules["torch"] = None``), ``import distnorm`` works.
-    Bugs caught: ``distnorm.convert`` left as the submodule once another module imported it;
-    ``distnorm.specs`` unresolved after ``import distnorm``."""
+    ``distnorm.convert`` stays the function once another module imported the submodule, and
+    ``distnorm.specs`` resolves after ``import distnorm``."""
     import subprocess
     import sys
 
@@ -380,8 +393,8 @@ TRAINING_PATH = ("train/loop.py", "train/engines.py", "train/metrics.py", "train
 def test_the_check_looks_up_every_module_a_training_imports():
     """Every third-party module the training's own modules import (inside functions too) is
     looked up by ``--check``, or is an engine (``require_engine``) or PyYAML (which the check
-    itself imports, said by ``distnorm.launch``). Bug caught: a module added to the training
-    and not to the list (``--check`` then passes where every worker fails after the queue)."""
+    itself imports, said by ``distnorm.launch``). A module added to the training and not to
+    the list fails here: ``--check`` would pass where every worker fails after the queue."""
     import sys
 
     from distnorm.train.checks import TRAINING_MODULES

@@ -13,9 +13,9 @@ from tests.system import REPO, need, status
 
 @pytest.mark.processes
 def test_install_step_reports_every_tool_it_lists(tmp_path):
-    """Bug caught: the install step claiming success for tools that are not there (a green
-    run hiding a missing install). As root (CI, these machines) every tool must be present
-    afterwards; otherwise it must name what is missing."""
+    """The install step reports every tool it lists and claims none that is not there: as root
+    (CI, these machines) every tool is present afterwards; otherwise it names what is missing.
+    A green run does not hide a missing install."""
     out = tmp_path / "status"
     proc = subprocess.run([str(REPO / ".ci" / "system-deps.sh"), str(out)], capture_output=True, text=True,
                           timeout=900)
@@ -30,7 +30,9 @@ def test_install_step_reports_every_tool_it_lists(tmp_path):
 
 
 def test_a_tool_claimed_installed_but_missing_fails_instead_of_skipping(tmp_path):
-    """Bug caught: a test skipping a tool the install step reported installed."""
+    """A tool the install step reported installed but that is missing fails the test that
+    needs it instead of skipping it; one reported missing, or with no report at all, is a skip
+    that says why."""
     claimed = tmp_path / "status"
     claimed.write_text("no-such-tool-xyz=installed\n")
     with pytest.raises(pytest.fail.Exception, match="reported installed"):

@@ -167,8 +167,8 @@ def test_dry_run_every_imagenet_config(config, request):
 @pytest.mark.timeout(900)
 def test_kill_mid_epoch_and_resume_continues_exactly(tmp_path, digits, demo_run):
     """The demo run killed with -9 after its mid-epoch checkpoint at step 12, then started
-    again: it resumes there and continues as the uninterrupted demo run (``demo_run``).
-    Bug caught: resume ignoring the data position (``skip_batches=0``)."""
+    again: it resumes there and continues as the uninterrupted demo run (``demo_run``),
+    data position included (with ``skip_batches=0`` it would not)."""
     args = _demo_args(digits)
     full, _ = demo_run
 
@@ -293,8 +293,8 @@ def test_a_shipped_recipe_by_name_from_any_directory(tmp_path, monkeypatch):
     path (``configs/imagenet/resnet50_cbn.yaml``) in the package (``distnorm.recipes``), its
     ``extends:`` followed there, its DeepSpeed JSON (``configs/deepspeed/...`` or
     ``deepspeed/...``) found there too; a file that exists here wins over a shipped name.
-    Bugs caught: a clone's path "does not exist" outside the clone (issue 38); the DeepSpeed
-    JSON looked up in the working directory only."""
+    Before, a clone's path gave "does not exist" outside the clone (issue 38), and the
+    DeepSpeed JSON was looked up in the working directory only."""
     reference = load_config(REPO / "configs" / "imagenet" / "resnet50_cbn.yaml").to_dict()
     monkeypatch.chdir(tmp_path)
     for name in ("imagenet/resnet50_cbn", "imagenet/resnet50_cbn.yaml", "configs/imagenet/resnet50_cbn.yaml"):
@@ -342,9 +342,9 @@ def _copy_shards(digits: Path, to: Path) -> Path:
 
 def test_check_compares_shard_sizes_and_on_request_checksums(tmp_path, digits, capsys):
     """``distnorm-train --check`` (what the launchers run before any worker) compares every
-    local shard with its index: its size always, its SHA-256 with ``--verify-checksums``. Bugs
-    caught: a truncated shard passing the check (the run then failed mid-epoch, issue 38);
-    a damaged shard of the right size passing ``--verify-checksums``."""
+    local shard with its index: its size always, its SHA-256 with ``--verify-checksums``. A
+    truncated shard fails the check (it passed, and the run then failed mid-epoch, issue 38),
+    and a damaged shard of the right size fails ``--verify-checksums``."""
     from distnorm.train import cli
 
     data = _copy_shards(digits, tmp_path / "data")
@@ -407,8 +407,8 @@ sys.exit(main(sys.argv[1:]))
 def test_check_and_a_refused_configuration_run_without_torch(tmp_path, digits):
     """``distnorm-train --check`` (every launcher runs it first), a refused key, ``--help-config``
     and ``--list-configs`` never import torch: a tenth of a second instead of ``import torch``'s
-    second or more, on a login node and in every process of a launch. Bug caught: the check
-    path importing the loaders, the zoo's networks, the engines or the training loop
+    second or more, on a login node and in every process of a launch. The check path imports
+    neither the loaders, the zoo's networks, the engines nor the training loop
     (``tests/test_structure.py`` checks the imports without running them)."""
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], cwd=tmp_path, capture_output=True,
@@ -446,7 +446,7 @@ def test_launcher_refuses_a_truncated_shard_before_starting_workers(tmp_path, di
 def test_a_max_steps_stop_writes_a_checkpoint_there(tmp_path, digits):
     """As Lightning does, a run stopped by ``train.max_steps`` mid-epoch saves its state there
     and names that checkpoint; the same command with a larger ``max_steps`` continues from it.
-    Bug caught: the last line naming ``checkpoints/latest`` when no checkpoint existed (issue 38)."""
+    Before, the last line named ``checkpoints/latest`` when no checkpoint existed (issue 38)."""
     run = tmp_path / "run"
 
     def train(steps: int) -> str:
@@ -470,9 +470,9 @@ def test_ctrl_c_under_torchrun_says_where_to_resume_in_one_line(tmp_path, digits
     """SIGINT to ``launch/torchrun.sh`` (what Ctrl-C sends it; torchrun forwards it to its
     workers, which run in sessions of their own): exit status 130, no traceback from any
     process, one line naming the last checkpoint and the command to resume; that command, run
-    as printed, resumes there. Bugs caught: a traceback on every rank and one from torchrun
-    (issue 38); a resume command without the NPROC it was launched with (it then starts one
-    process, and refuses the checkpoint of two)."""
+    as printed, resumes there. Before, every rank printed a traceback and torchrun one more
+    (issue 38). The resume command keeps the NPROC it was launched with (without it, it starts
+    one process, and refuses the checkpoint of two)."""
     run = tmp_path / "run"
     args = [str(DEMO), *_data_overrides(digits), f"output.dir={run}", "train.epochs=2", "train.max_steps=40",
             "output.checkpoint_every_steps=4", "output.progress=false", "output.log_every=1"]
@@ -511,8 +511,8 @@ def test_the_first_process_of_a_node_to_claim_a_shared_error_says_it(tmp_path, m
     to reach it, whichever its local rank: torchrun stops the others as soon as one exits, and a
     refused command takes a tenth of a second, so a local rank 0 that came second was stopped
     before it printed (seen in ``make test``). One claim per launch, node and restart (the
-    directory of the attempt's error files); outside torchrun, local rank 0. Bug caught: only
-    local rank 0 printing (the code before)."""
+    directory of the attempt's error files); outside torchrun, local rank 0. The code before
+    had only local rank 0 print."""
     from distnorm.train import cli
 
     def says(local_rank: int, attempt: Path, **env: str) -> bool:
@@ -540,8 +540,7 @@ def test_a_bad_command_under_torchrun_is_said_once_and_named_as_the_root_cause()
     launcher output): under torchrun as ``launch/torchrun.sh`` runs it
     (``distnorm/train/torchrun.py``), a bad value and an unknown flag are printed once (the first
     process of the node; every process has the same command line), torchrun's summary names
-    them as the root cause (the error file), and no process prints a traceback. Bug caught:
-    every process printing the error."""
+    them as the root cause (the error file), and no process prints a traceback."""
     torchrun = [sys.executable, "-c", "from distnorm.train.torchrun import main; main()", "-m", "torch.distributed.run",
                 "--standalone", "--nproc_per_node=2", "-m", "distnorm.train", "--config", str(DEMO)]
     for extra, message in ((["distnorm.norm=cbm"], "distnorm-train: configuration error: distnorm config: norm must be "
