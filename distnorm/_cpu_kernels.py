@@ -443,7 +443,7 @@ def cbn_plan(mean: Tensor, var: Tensor, count: Tensor | None, weight: Tensor, bi
     eps, rho, r_max = hyper
     channels = mean.shape[0]
     # Six allocations, not one workspace and views of it: on the CPU a view costs what an
-    # allocation does (about 1.5 us each, 2026-11-29).
+    # allocation does (docs/reference/benchmarks.md, the CPU proxy).
     center, var_u, invstd, a, beta_coef = (torch.empty(channels) for _ in range(5))
     grad_coef = torch.empty(2, 2, channels)
     # Held by a name for the call: a temporary .contiguous() copy is freed with the expression

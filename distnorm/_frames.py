@@ -48,8 +48,8 @@ from distnorm._debug import is_debug
 from distnorm._release import released
 from distnorm.errors import CollectiveMismatchError
 
-__all__ = ["add_name_source", "check_pending", "compare_at_once", "frame_length", "reduce", "reserve", "slot_hash",
-           "stable_hash", "traced_reduce"]
+__all__ = ["VOTE", "add_name_source", "check_pending", "compare_at_once", "frame_length", "reduce", "reserve",
+           "slot_hash", "stable_hash", "traced_reduce"]
 
 #: dtype codes of the shape entry (the input's dtype is part of the slot).
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -104,13 +104,18 @@ def add_name_source(source: Callable[[], Iterable[str]]) -> None:
     _NAME_SOURCES.append(source)
 
 
+#: The phase of a group's vote on its kernels (distnorm._kernel_choice), once per group and
+#: device type, in the frame of the layer that stepped first.
+VOTE = "kernel vote"
+
+
 def _name_of(fingerprint: int) -> str:
     if fingerprint in _ISSUED:
         return _ISSUED[fingerprint]
-    phases = ("forward", "backward")
+    phases = ("forward", "backward", VOTE)
     for source in _NAME_SOURCES:
         for name in source():
-            for text in [f"{name}|{p}" for p in phases] + [f"BNP '{name}'|forward"]:
+            for text in [f"{name}|{p}" for p in phases] + [f"BNP '{name}'|{p}" for p in ("forward", VOTE)]:
                 if slot_hash(text) == fingerprint:
                     return text
     return f"a collective this process never issued (fingerprint {fingerprint:#x})"

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from distnorm import _capture, _collectives, _cpu_kernels, _kernels, _moments
+from distnorm import _capture, _collectives, _cpu_kernels, _frames, _kernels, _moments
 from distnorm._collectives import ProcessGroup
 from distnorm._composite import backward_sums_composite, cbn_plan_composite
 from distnorm._cpu_kernels import cpu_kernel_enabled
@@ -207,7 +207,7 @@ def synced_moments(x: Tensor, group: ProcessGroup | None, layer: str, state: Any
     every layer (CBN, BN, BNP) enters its statistics step."""
     votes = triton_vote(group, x.device)
     if votes is not None:
-        _collectives.all_reduce_sum(votes, group, slot=f"{layer}|kernel vote", shape=(x.shape[1], x.dtype))
+        _collectives.all_reduce_sum(votes, group, slot=f"{layer}|{_frames.VOTE}", shape=(x.shape[1], x.dtype))
         triton_decision(group, x.device, votes)
     return _moments.global_moments(x, group, layer=layer, cpu_kernel=kernels_of(state, group, x.device).cpu)
 

@@ -7,11 +7,12 @@ Each per-channel operator (``distnorm::cbn_plan``, ``distnorm::backward_sums``, 
 the last two for the cases they take -- float32 accumulation, buffers of that dtype, a host
 count only when the batch is valid. Each is registered under its dispatch key
 (:mod:`distnorm._ops`): the composite for every device, the CPU's and CUDA's own
-implementations under ``CPU`` and ``CUDA``, each checking the cases it takes. The operator's last argument names the one the layer's
-group agreed on (:mod:`distnorm._kernel_choice`): the three are not bit-identical (``rsqrt``
-/ division rounding and FMA contraction differ by a few ulp), so every rank of a group runs
-the same one. A case a kernel does not take runs the composite, on every rank alike (the
-case reads shapes, dtypes and devices, which the ranks share).
+implementations under ``CPU`` and ``CUDA``, each checking the cases it takes. The
+operator's last argument names the one the layer's group agreed on
+(:mod:`distnorm._kernel_choice`): the three are not bit-identical (``rsqrt`` / division
+rounding and FMA contraction differ by a few ulp), so every rank of a group runs the same one.
+A case a kernel does not take runs the composite, on every rank alike (the case reads
+shapes, dtypes and devices, which the ranks share).
 
 ``DISTNORM_TRITON`` (read when a decision is made): ``1`` (default) Triton on CUDA where it
 works; ``0`` the composite everywhere; ``interpret`` the Triton kernels on every device, the
@@ -35,8 +36,8 @@ from torch import Tensor
 from distnorm import _cpu_kernels
 from distnorm._composite import backward_sums_composite, cbn_plan_composite
 
-__all__ = ["MODES", "backward_sums", "backward_sums_cpu", "backward_sums_cuda", "cbn_plan", "cbn_plan_cpu", "cbn_plan_cuda",
-           "interpreted_kernels", "kernels_for", "load_interpreted", "mode"]
+__all__ = ["MODES", "backward_sums", "backward_sums_cpu", "backward_sums_cuda", "cbn_plan", "cbn_plan_cpu",
+           "cbn_plan_cuda", "interpreted_kernels", "kernels_for", "load_interpreted", "mode"]
 
 
 #: The values of ``DISTNORM_TRITON``.
@@ -148,9 +149,9 @@ def _triton_takes_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], param
             and _on_one_device(mean, var, count, *params, *buffers))
 
 
-def cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor, bias: Tensor,
-             eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float], momentum: Optional[float],
-             amat_ready: bool, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor,
+             bias: Tensor, eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float],
+             momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, ...]:
     """``distnorm::cbn_plan`` on every device (``CompositeExplicitAutograd``): the composite,
     :func:`~distnorm._composite.cbn_plan_composite` (its arguments and the maths). ``kernel``,
     what the layer's group agreed (:func:`distnorm._kernel_choice.kernel_choice`), is read by
@@ -166,9 +167,18 @@ def cbn_plan_cuda(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Opt
     (``kernel="triton"``) and it takes the case (it computes a device count's validity itself,
     ``count > 1``: no ``valid``), else the composite."""
     if kernel == "triton" and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count):
-        return _launch("cbn_plan", mean.device, lambda k: k.cbn_plan(mean, var, count, weight, bias, eta, buffers,
-                                                                     host_count, hyper, momentum))
-    return cbn_plan(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum, amat_ready, kernel)
+        return _triton_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
+    return cbn_plan(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum, amat_ready,
+                    kernel)
+
+
+def _triton_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], weight: Tensor, bias: Tensor,
+                 eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float],
+                 momentum: Optional[float]) -> tuple[Tensor, ...]:
+    """The Triton kernel of ``cbn_plan`` on ``mean``'s device (compiled on CUDA, interpreted on
+    the CPU), for a case it takes."""
+    return _launch("cbn_plan", mean.device, lambda k: k.cbn_plan(mean, var, count, weight, bias, eta, buffers,
+                                                                 host_count, hyper, momentum))
 
 
 def cbn_plan_cpu(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor,
@@ -182,9 +192,9 @@ def cbn_plan_cpu(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Opti
         if kernel == "cpu" and buffers[2].dtype == torch.bool and buffers[5].dtype == torch.int64:
             return _cpu_kernels.cbn_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
         if kernel == "triton":
-            return cbn_plan_cuda(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum,
-                                 amat_ready, kernel)
-    return cbn_plan(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum, amat_ready, kernel)
+            return _triton_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
+    return cbn_plan(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum, amat_ready,
+                    kernel)
 
 
 def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor, inv_rho: float,
@@ -199,10 +209,17 @@ def backward_sums_cuda(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Ten
     """``distnorm::backward_sums`` on CUDA: the Triton kernel where the group agreed on it and
     the sums are float32 on one device, else the composite."""
     if kernel == "triton" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
-        return _launch("backward_sums", s1.device, lambda k: k.backward_sums(
-            s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(),
-            inv_rho))
+        return _triton_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
     return backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)
+
+
+def _triton_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
+                 inv_rho: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The Triton kernel of ``backward_sums`` on ``s1``'s device (compiled on CUDA,
+    interpreted on the CPU), for float32 sums on one device."""
+    return _launch("backward_sums", s1.device, lambda k: k.backward_sums(
+        s1.contiguous(), t.contiguous(), beta_coef.contiguous(), grad_scale.contiguous(), grad_coef.contiguous(),
+        inv_rho))
 
 
 def backward_sums_cpu(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
@@ -214,5 +231,5 @@ def backward_sums_cpu(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tens
         if kernel == "cpu":
             return _cpu_kernels.backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
         if kernel == "triton":
-            return backward_sums_cuda(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)
+            return _triton_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
     return backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)

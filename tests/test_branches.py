@@ -113,6 +113,30 @@ def _plugin_worker(rank: int, world: int) -> dict:
     return {"steps_done": steps_done, "error": error}
 
 
+def _bare_layers_worker(rank: int, world: int) -> str:
+    """Two bare SyncBatchNorm(4), no model names them: rank 0 runs the first built, then the
+    second; rank 1 the other way round."""
+    first, second = distnorm.SyncBatchNorm(4), distnorm.SyncBatchNorm(4)
+    order = (first, second) if rank == 0 else (second, first)
+    x = torch.randn(8, 4, requires_grad=True)
+    try:
+        order[1](order[0](x)).sum().backward()
+    except distnorm.CollectiveMismatchError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.world_size(2)
+def test_bare_layers_are_told_apart_by_the_order_they_were_built(tmp_path):
+    """Layers no model named are named by the order their process built them
+    (``SyncBatchNorm(4) #k``): two bare layers of one width that the ranks run in different
+    orders raise on every rank, naming both, where one name for both mixed their statistics
+    silently."""
+    for rank, message in enumerate(run_distributed(_bare_layers_worker, 2, tmp_path)):
+        names = sorted({line.split(": ", 1)[1].split("|")[0] for line in message.splitlines() if "  rank " in line})
+        assert len(names) == 2 and all(name.startswith("SyncBatchNorm(4) #") for name in names), (rank, message)
+
+
 @pytest.mark.world_size(2)
 def test_the_plugin_check_names_both_layers_when_frames_are_compared_late(tmp_path):
     """On a GPU frames are compared without a host synchronisation, so a mismatch may go on

@@ -101,8 +101,7 @@ def test_cuda_cbn_matches_reference_over_steps():
         torch.testing.assert_close(m.amat_var.cpu(), state.amat_var, atol=1e-10, rtol=0)
 
 
-#: Channels of the group cases (more than 4: before 2026-11-29 the group's vote rode on the
-#: counts of a layer of more than 4 channels, and 3-channel cases never ran Triton in a group).
+#: Channels of the group cases.
 C = 8
 KINDS = ("cbn", "popnorm", "syncbn")
 GAMMA = torch.linspace(0.7, 1.3, C, dtype=torch.float64)
