@@ -151,7 +151,8 @@ def _triton_takes_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], param
 
 def cbn_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor,
              bias: Tensor, eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float],
-             momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, ...]:
+             momentum: Optional[float], amat_ready: bool,
+             kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``distnorm::cbn_plan`` on every device (``CompositeExplicitAutograd``): the composite,
     :func:`~distnorm._composite.cbn_plan_composite` (its arguments and the maths). ``kernel``,
     what the layer's group agreed (:func:`distnorm._kernel_choice.kernel_choice`), is read by
