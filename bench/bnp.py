@@ -7,11 +7,12 @@ with PyTorch's local BatchNorm), times one SGD training step (forward, backward,
 step) with and without BNP on the same batch, interleaved, median of repeats; and measures
 the memory of training (see :func:`_common.training_memory_bytes`).
 
-On the CPU, in the same interleaved rounds, a third step: BNP with ``DISTNORM_CPU_KERNEL=0``
-(``bnp_aten``: ATen's calls where distnorm's C kernels would run — BNP's statistics and its
-gradient transform, :mod:`distnorm._cpu_kernels`); and the gradient transform alone over the
-model's preconditioned weights (``transform_ms``: the C kernel ``distnorm::bnp_precondition``
-against ATen's calls, interleaved, median).
+In the same interleaved rounds, a third step: BNP with ATen's calls where distnorm's kernels
+would run (``bnp_aten``; the CPU: ``DISTNORM_CPU_KERNEL=0``, BNP's statistics and its gradient
+transform, :mod:`distnorm._cpu_kernels`; CUDA: ``DISTNORM_TRITON=0``, the transform); and the
+gradient transform alone over the model's preconditioned weights (``transform_ms``:
+``distnorm::bnp_precondition``'s kernel — C on the CPU, Triton on CUDA — against ATen's
+calls, interleaved, median).
 
 ``ratios.step_bnp_vs_plain`` / ``ratios.mem_bnp_vs_plain`` refer to ResNet-18.
 """
@@ -54,48 +55,53 @@ def build(name: str) -> nn.Module | None:
     return models.create(name, num_classes=10, norm="keep")  # same BatchNorm as torchvision's
 
 
-class Step:
-    """One training step of a model copy with its own optimizer; ``cpu_kernel=False``: with
-    ``DISTNORM_CPU_KERNEL=0`` set during the step (read at each call by a layer without a
-    process group, as here)."""
+#: The setting that turns distnorm's own kernels off, per device type (``bnp_aten``).
+ATEN_ONLY = {"cpu": "DISTNORM_CPU_KERNEL", "cuda": "DISTNORM_TRITON"}
 
-    def __init__(self, model: nn.Module, use_bnp: bool, x: torch.Tensor, y: torch.Tensor, cpu_kernel: bool = True):
+
+class Step:
+    """One training step of a model copy with its own optimizer; ``own_kernels=False``: with
+    :data:`ATEN_ONLY`'s setting ``0`` during the step (read at the first call by a layer
+    without a process group, as here, and kept)."""
+
+    def __init__(self, model: nn.Module, use_bnp: bool, x: torch.Tensor, y: torch.Tensor, own_kernels: bool = True):
         self.model = model.to(x.device).train()
         self.handle = distnorm.bnp.attach(self.model) if use_bnp else None
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
         self.x, self.y = x, y
         self.loss = nn.CrossEntropyLoss()
-        self.cpu_kernel = cpu_kernel
+        self.setting = None if own_kernels else ATEN_ONLY[x.device.type]
 
     def __call__(self) -> None:
-        before = os.environ.get("DISTNORM_CPU_KERNEL")
-        if not self.cpu_kernel:
-            os.environ["DISTNORM_CPU_KERNEL"] = "0"
+        before = os.environ.get(self.setting) if self.setting else None
+        if self.setting:
+            os.environ[self.setting] = "0"
         try:
             self.opt.zero_grad(set_to_none=True)
             self.loss(self.model(self.x), self.y).backward()
             self.opt.step()
         finally:
-            if before is None:
-                os.environ.pop("DISTNORM_CPU_KERNEL", None)
-            else:
-                os.environ["DISTNORM_CPU_KERNEL"] = before
+            if self.setting and before is None:
+                os.environ.pop(self.setting, None)
+            elif self.setting:
+                os.environ[self.setting] = before
 
 
-def transform_ms(layers: Iterable[nn.Module], repeats: int) -> dict[str, float]:
+def transform_ms(layers: Iterable[nn.Module], repeats: int, device: torch.device) -> dict[str, float]:
     """Median milliseconds of BNP's gradient transform over the weights of ``layers`` (the
     layers ``attach`` preconditions: random gradients of their shapes, a bias each), computed
-    by the C kernel and by ATen's calls, in interleaved rounds."""
+    by the device's kernel (``"kernel"``: C on the CPU, Triton on CUDA) and by ATen's calls, in
+    interleaved rounds."""
     torch.manual_seed(0)
     args = []
     for layer in layers:
         shape, channels, groups = layer.weight.shape, layer.bnp_mean.numel(), getattr(layer, "groups", 1)
-        args.append((torch.randn(shape), torch.randn(shape[0]), torch.randn(channels), torch.rand(channels) + 0.5,
-                     3.0, groups))
-    kernel = torch.ops.distnorm.bnp_precondition
-    ways = {"c_kernel": lambda: [kernel(*a) for a in args],
+        args.append(tuple(t.to(device) for t in (torch.randn(shape), torch.randn(shape[0]), torch.randn(channels),
+                                                 torch.rand(channels) + 0.5, torch.tensor(3.0))) + (groups,))
+    kernel, name = torch.ops.distnorm.bnp_precondition, "cpu" if device.type == "cpu" else "triton"
+    ways = {"kernel": lambda: [kernel(*a, name) for a in args],
             "aten": lambda: [bnp_precondition(*a[:5], groups=a[5]) for a in args]}
-    times = interleaved_times(ways, repeats, torch.device("cpu"))
+    times = interleaved_times(ways, repeats, device)
     return {way: statistics.median(t) * 1e3 for way, t in times.items()}
 
 
@@ -108,8 +114,7 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
     x = torch.randn(batch, 3, size, size, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     steps = {"plain": Step(copy.deepcopy(model), False, x, y), "bnp": Step(copy.deepcopy(model), True, x, y)}
-    if device.type == "cpu":
-        steps["bnp_aten"] = Step(copy.deepcopy(model), True, x, y, cpu_kernel=False)
+    steps["bnp_aten"] = Step(copy.deepcopy(model), True, x, y, own_kernels=False)
     times = interleaved_times(steps, repeats, device, warmup=1)
     medians = {k: statistics.median(v) for k, v in times.items()}
     mem = {variant: training_memory_bytes(step.model, step.opt, lambda s=step: s.loss(s.model(s.x), s.y), device)
@@ -124,10 +129,9 @@ def bench_model(name: str, quick: bool, repeats: int, device: torch.device) -> d
         "mem_bnp_vs_plain": mem["bnp"] / mem["plain"],
         "bnp_layers": len(steps["bnp"].handle.layers),
     }
-    if device.type == "cpu":
-        entry["step_bnp_aten_vs_plain"] = medians["bnp_aten"] / medians["plain"]
-        entry["step_bnp_aten_vs_plain_per_round_quartiles"] = ratio_spread(times, "plain")["bnp_aten"]
-        entry["transform_ms"] = transform_ms(steps["bnp"].handle.layers.values(), max(repeats, 5))
+    entry["step_bnp_aten_vs_plain"] = medians["bnp_aten"] / medians["plain"]
+    entry["step_bnp_aten_vs_plain_per_round_quartiles"] = ratio_spread(times, "plain")["bnp_aten"]
+    entry["transform_ms"] = transform_ms(steps["bnp"].handle.layers.values(), max(repeats, 5), device)
     return entry
 
 
@@ -151,7 +155,7 @@ def main(argv=None) -> dict:
               f"{entry['step_bnp_vs_plain']:.4f}x; memory {entry['memory_bytes']} -> "
               f"{entry['mem_bnp_vs_plain']:.4f}x ({entry['bnp_layers']} BNP layers)")
         if "transform_ms" in entry:
-            print(f"  with DISTNORM_CPU_KERNEL=0: {entry['step_bnp_aten_vs_plain']:.4f}x; the gradient transform alone, "
+            print(f"  with {ATEN_ONLY[device.type]}=0: {entry['step_bnp_aten_vs_plain']:.4f}x; the gradient transform alone, "
                   f"ms: {shown(entry['transform_ms'])}")
     ratios = {
         "step_bnp_vs_plain": results["resnet18"]["step_bnp_vs_plain"],

@@ -24,8 +24,8 @@ from torch.autograd.function import once_differentiable
 
 from distnorm import _collectives, _kernel_choice, _moments, _ops
 from distnorm._collectives import ProcessGroup
-from distnorm._composite import to_dtype
-from distnorm._cpu_kernels import check_precondition_arguments
+from distnorm._composite import bnp_precondition
+from distnorm._constants import constant
 from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm.specs import BNPSpec
 
@@ -158,16 +158,16 @@ class BNPGradientFunction(torch.autograd.Function):
     The map is linear and built from rank-consistent statistics, so applying it on each
     rank before the data-parallel average (as here) equals applying it after.
 
-    ``cpu_kernel``: compute the map with the CPU kernel ``distnorm::bnp_precondition`` (one
-    pass over the weight gradient; :mod:`distnorm._cpu_kernels`) for a dense float32 / float64
-    gradient — the layer's group's agreement (:func:`distnorm._kernel_choice.cpu_kernel_decision`),
-    passed by eager forwards only: a compiled backward fuses :func:`bnp_precondition`'s calls
-    itself.
+    ``kernel``: the implementation of ``distnorm::bnp_precondition`` the layer's group agreed on
+    (:attr:`distnorm._kernel_choice.Kernels.per_channel`: the CPU's C kernel, one pass over the
+    weight gradient; Triton's on CUDA, one launch), passed by eager forwards only; ``None``
+    (compiled code, which fuses :func:`~distnorm._composite.bnp_precondition`'s ATen calls
+    itself) or ``"composite"`` runs those calls.
     """
 
     @staticmethod
     def forward(ctx: Any, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor,
-                var_t: torch.Tensor, q2: Any, groups: int, cpu_kernel: bool = False
+                var_t: torch.Tensor, q2: Any, groups: int, kernel: str | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if isinstance(q2, torch.Tensor):
             ctx.save_for_backward(mean, var_t, q2)
@@ -175,7 +175,7 @@ class BNPGradientFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(mean, var_t)
             ctx.holder = q2
-        ctx.groups, ctx.cpu_kernel = groups, cpu_kernel
+        ctx.groups, ctx.kernel = groups, kernel
         return weight.view_as(weight), (bias.view_as(bias) if bias is not None else None)
 
     @staticmethod
@@ -187,71 +187,17 @@ class BNPGradientFunction(torch.autograd.Function):
             return None, grad_bias, None, None, None, None, None
         if ctx.needs_input_grad[1] and grad_bias is None:
             grad_bias = torch.zeros(grad_weight.shape[0], dtype=grad_weight.dtype, device=grad_weight.device)
-        if ctx.cpu_kernel and grad_weight.dtype in (torch.float32, torch.float64) and grad_weight.is_contiguous():
-            # One pass instead of five (distnorm._cpu_kernels, through its operator in
-            # distnorm._ops). A CPU q2 tensor is read without a sync.
-            new_weight, new_bias = _ops.bnp_precondition(grad_weight, grad_bias, mean, var_t, float(q2),
-                                                                       ctx.groups)
-            return new_weight, (new_bias if grad_bias is not None else None), None, None, None, None, None
-        new_weight, new_bias = bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=ctx.groups)
-        return new_weight, new_bias, None, None, None, None, None
-
-
-def bnp_precondition(
-    grad_weight: torch.Tensor,
-    grad_bias: torch.Tensor | None,
-    mean: torch.Tensor,
-    var_t: torch.Tensor,
-    q2: torch.Tensor | float,
-    *,
-    groups: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """BNP's gradient transform ``(1/q²) P Pᵀ [G_b; G_w]`` (paper 004, Eq. 15; SPEC §5).
-
-    With ``P = [[1, -mu^T], [0, I]] · diag(1, 1/sqrt(var_t))``, per output channel ``d`` and
-    input channel ``p`` of its group (kernel positions share their channel's statistics)::
-
-        G_w[d, p, ...] <- (G_w[d, p, ...] - mu[p] * G_b[d]) / (q2 * var_t[p])
-        G_b[d]         <- G_b[d] / q2 - sum_{p, ...} mu[p] * G_w_new[d, p, ...]
-
-    Without a bias only the scaling ``G_w / (q2 * var_t)`` applies.
-
-    Args:
-        grad_weight: ``(C_out, C_in / groups, *kernel)`` (conv) or ``(out, in)`` (dense).
-        grad_bias: ``(C_out,)`` or ``None``.
-        mean, var_t: per-input-channel moments, length ``C_in`` (``var_t`` already
-            regularised: ``var + eps1 * max(var) + eps2``).
-        q2: the block-norm scale ``q²`` (0-dim tensor or float).
-        groups: convolution groups; output channel ``d`` sees input channels of group
-            ``d // (C_out / groups)`` (depthwise: ``groups = C_in``).
-
-    Returns:
-        The preconditioned ``(grad_weight, grad_bias)`` in their original dtypes.
-    """
-    check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
-    out_channels = grad_weight.shape[0]
-    compute = torch.promote_types(grad_weight.dtype, torch.float32)
-    per_group = mean.numel() // groups
-    shape = (out_channels, per_group) + (1,) * (grad_weight.dim() - 2)
-    mu, vt = mean.to(compute), var_t.to(compute)
-    if groups > 1:  # row d of the per-(output, input-channel) statistics: its group's channels
-        mu = mu.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
-        vt = vt.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
-    else:
-        mu, vt = mu.view(1, -1), vt.view(1, -1)
-    denominator = (vt * q2).view((-1,) + shape[1:]) if groups > 1 else (vt * q2).view((1,) + shape[1:])
-    gw = to_dtype(grad_weight, compute)
-    if grad_bias is None:
-        return (gw / denominator).to(grad_weight.dtype), None
-    gb = to_dtype(grad_bias, compute)
-    # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
-    # backward at one extra weight gradient per layer).
-    new_w = torch.addcmul(gw, mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
-    new_w.div_(denominator)
-    # sum_{p, kernel} mu[p] * new_w[d, p, kernel]: reduce the kernel first, then a row dot.
-    per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
-    new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)
-    return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)
+        if ctx.kernel in (None, "composite"):
+            new_weight, new_bias = bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=ctx.groups)
+            return new_weight, new_bias, None, None, None, None, None
+        # The agreed kernel: one pass over the weight gradient (the operator's CPU and CUDA
+        # implementations, distnorm._kernels). A host q2 travels as a cached 0-dim float64
+        # tensor (no fill per step; float64, so a float64 gradient's transform is not rounded
+        # through float32); a device q2 is read on the device, with no sync.
+        if not isinstance(q2, torch.Tensor):
+            q2 = constant(float(q2), (), torch.float64, grad_weight.device)
+        new_weight, new_bias = _ops.bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, ctx.groups, ctx.kernel)
+        return new_weight, (new_bias if grad_bias is not None else None), None, None, None, None, None
 
 
 def bnp_q2(count: int | torch.Tensor, fan_in: int, in_spatial: tuple[int, ...],

@@ -19,6 +19,11 @@ length C: the AMAT blend, the ratios, the backward coefficients, the buffer upda
     kernel ``batch_norm_backward_elemt`` (and of its CPU twin, :mod:`distnorm._cpu_kernels`)
     for the element-wise pass ``dx = a (g - shift / n - (x - w) slope / n)``.
 
+``distnorm::bnp_precondition`` (:func:`bnp_precondition`)
+    BNP's gradient transform ``(1/q²) P Pᵀ [G_b; G_w]`` of a preconditioned layer's weight
+    and bias gradients (paper 004, Eq. 15; SPEC §5). Also the public
+    :func:`distnorm.functional.bnp_precondition`.
+
 The helpers (:func:`blend`, :func:`update_running`, :func:`grad_coef_of`) serve batch
 normalization's statistics too (:mod:`distnorm._functions`, :mod:`distnorm._traced`).
 """
@@ -31,8 +36,9 @@ import torch
 from torch import Tensor
 
 from distnorm._constants import constant
+from distnorm._cpu_kernels import check_precondition_arguments
 
-__all__ = ["backward_sums_composite", "blend", "cbn_plan_composite", "grad_coef_of", "to_dtype", "update_running"]
+__all__ = ["backward_sums_composite", "blend", "bnp_precondition", "cbn_plan_composite", "grad_coef_of", "to_dtype", "update_running"]
 
 
 def to_dtype(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
@@ -232,3 +238,60 @@ def backward_sums_composite(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale
     grad_bias = torch.addcmul(s1, beta_coef, t, value=-1.0).mul_(grad_scale)
     # outputs of an operator may not share storage with its inputs
     return sums, t * inv_rho, grad_bias, grad_coef[1, 0].clone(), grad_coef[1, 1, :1].to(torch.int32)
+
+
+def bnp_precondition(
+    grad_weight: torch.Tensor,
+    grad_bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    var_t: torch.Tensor,
+    q2: torch.Tensor | float,
+    *,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """BNP's gradient transform ``(1/q²) P Pᵀ [G_b; G_w]`` (paper 004, Eq. 15; SPEC §5).
+
+    With ``P = [[1, -mu^T], [0, I]] · diag(1, 1/sqrt(var_t))``, per output channel ``d`` and
+    input channel ``p`` of its group (kernel positions share their channel's statistics)::
+
+        G_w[d, p, ...] <- (G_w[d, p, ...] - mu[p] * G_b[d]) / (q2 * var_t[p])
+        G_b[d]         <- G_b[d] / q2 - sum_{p, ...} mu[p] * G_w_new[d, p, ...]
+
+    Without a bias only the scaling ``G_w / (q2 * var_t)`` applies.
+
+    Args:
+        grad_weight: ``(C_out, C_in / groups, *kernel)`` (conv) or ``(out, in)`` (dense).
+        grad_bias: ``(C_out,)`` or ``None``.
+        mean, var_t: per-input-channel moments, length ``C_in`` (``var_t`` already
+            regularised: ``var + eps1 * max(var) + eps2``).
+        q2: the block-norm scale ``q²`` (0-dim tensor or float).
+        groups: convolution groups; output channel ``d`` sees input channels of group
+            ``d // (C_out / groups)`` (depthwise: ``groups = C_in``).
+
+    Returns:
+        The preconditioned ``(grad_weight, grad_bias)`` in their original dtypes.
+    """
+    check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
+    out_channels = grad_weight.shape[0]
+    compute = torch.promote_types(grad_weight.dtype, torch.float32)
+    per_group = mean.numel() // groups
+    shape = (out_channels, per_group) + (1,) * (grad_weight.dim() - 2)
+    mu, vt = mean.to(compute), var_t.to(compute)
+    if groups > 1:  # row d of the per-(output, input-channel) statistics: its group's channels
+        mu = mu.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+        vt = vt.view(groups, per_group).repeat_interleave(out_channels // groups, dim=0)
+    else:
+        mu, vt = mu.view(1, -1), vt.view(1, -1)
+    denominator = (vt * q2).view((-1,) + shape[1:]) if groups > 1 else (vt * q2).view((1,) + shape[1:])
+    gw = to_dtype(grad_weight, compute)
+    if grad_bias is None:
+        return (gw / denominator).to(grad_weight.dtype), None
+    gb = to_dtype(grad_bias, compute)
+    # Weight-sized work: one new tensor, updated in place (keeps the transient memory of the
+    # backward at one extra weight gradient per layer).
+    new_w = torch.addcmul(gw, mu.view((mu.shape[0],) + shape[1:]), gb.view((-1,) + (1,) * (gw.dim() - 1)), value=-1.0)
+    new_w.div_(denominator)
+    # sum_{p, kernel} mu[p] * new_w[d, p, kernel]: reduce the kernel first, then a row dot.
+    per_channel = new_w.sum(dim=tuple(range(2, gw.dim()))) if gw.dim() > 2 else new_w
+    new_b = torch.addcdiv(-(per_channel * mu).sum(1), gb, q2) if isinstance(q2, torch.Tensor) else gb / q2 - (per_channel * mu).sum(1)
+    return new_w.to(grad_weight.dtype), new_b.to(grad_bias.dtype)

@@ -260,7 +260,7 @@ void backward_sums_f32(const float* s1, const float* t, const float* beta_coef, 
     count[0] = (int32_t)coef[3 * C];
 }
 
-/* BNP's gradient transform (distnorm._bnp_functions.bnp_precondition) in one pass over the weight
+/* BNP's gradient transform (distnorm._composite.bnp_precondition) in one pass over the weight
    gradient instead of ATen's five: per output channel d, input channel p of its group, kernel
    position k (row d of the dense (C_out, per_group * kernel) gradient),
        new_w[d, p, k] = (gw[d, p, k] - mu[p] * gb[d]) / (vt[p] * q2)
@@ -474,7 +474,7 @@ def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, 
 def bnp_precondition(grad_weight: Tensor, grad_bias: Tensor | None, mean: Tensor, var_t: Tensor, q2: float,
                      groups: int) -> tuple[Tensor, Tensor]:
     """The CPU kernel of ``distnorm::bnp_precondition``: BNP's gradient transform
-    (:func:`distnorm._bnp_functions.bnp_precondition`, its arguments) for a float32 or float64
+    (:func:`distnorm._composite.bnp_precondition`, its arguments) for a float32 or float64
     gradient, in one pass that reads ``grad_weight`` and writes its transform, where ATen's
     calls make five weight-sized passes. Without a bias the second result is empty. The
     kernel reads raw pointers: arguments that do not fit raise first
@@ -513,7 +513,7 @@ def memory_format(t: Tensor) -> torch.memory_format:
 def check_precondition_arguments(grad_weight: torch.Tensor, grad_bias: torch.Tensor | None, mean: torch.Tensor,
                                  var_t: torch.Tensor, groups: int) -> None:
     """Raise ``ValueError`` unless the arguments of BNP's transform fit together (shapes as in
-    :func:`distnorm._bnp_functions.bnp_precondition`): the check of its ATen calls and of the
+    :func:`distnorm._composite.bnp_precondition`): the check of its ATen calls and of the
     C kernel :func:`bnp_precondition`, which reads raw pointers."""
     in_channels = mean.numel()
     if (grad_weight.dim() < 2 or groups < 1 or grad_weight.shape[0] % groups

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from distnorm import _capture, _collectives, _cpu_kernels, _frames, _kernels, _moments
 from distnorm._collectives import ProcessGroup
-from distnorm._composite import backward_sums_composite, cbn_plan_composite
+from distnorm._composite import backward_sums_composite, bnp_precondition, cbn_plan_composite
 from distnorm._cpu_kernels import cpu_kernel_enabled
 
 __all__ = ["Kernels", "TritonState", "cpu_kernel_decision", "kernel_choice", "kernels_of", "synced_moments",
@@ -69,7 +69,8 @@ _OK, _FAILED, _OFF = 0, 1, 2  # a rank's verdict; its vote sends [ok, failed] (o
 
 
 def _probe(kernels: ModuleType, device: torch.device) -> None:
-    """Launch each kernel once on 16 channels of ``device`` and compare it with the composite:
+    """Launch each kernel once on 16 channels of ``device`` (BNP's transform: a 16 x 4 x 2 x 2
+    weight gradient) and compare it with the composite:
     a Triton that cannot build its launcher or compile here raises, and so does one whose
     kernels compute something else (to 1e-5)."""
     c = 16
@@ -86,9 +87,12 @@ def _probe(kernels: ModuleType, device: torch.device) -> None:
     got_buffers, want_buffers = buffers(), buffers()
     got = kernels.cbn_plan(mean, var, count, weight, bias, eta, got_buffers, -1, hyper, 0.1)
     want = cbn_plan_composite(mean, var, count, None, weight, bias, eta, want_buffers, -1, hyper, 0.1, True)
+    grad_weight, q2 = torch.outer(ramp + 1.0, ramp - 3.0).view(c, 4, 2, 2), torch.full((), 2.5, device=device)
     pairs = [*zip(got, want), *zip(got_buffers, want_buffers),
              *zip(kernels.backward_sums(mean, var, weight, bias, want[4], 0.5),
-                  backward_sums_composite(mean, var, weight, bias, want[4], 0.5))]
+                  backward_sums_composite(mean, var, weight, bias, want[4], 0.5)),
+             *zip(kernels.bnp_precondition(grad_weight, bias, mean[:4], var[:4], q2, 1),
+                  bnp_precondition(grad_weight, bias, mean[:4], var[:4], q2))]
     for i, (g, w) in enumerate(pairs):
         if not torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-6):
             raise RuntimeError(f"the Triton kernels differ from the ATen composite here (output {i}: "

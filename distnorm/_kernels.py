@@ -1,11 +1,12 @@
-"""The fused kernels of the per-channel operators, and which implementation a call runs.
+"""The fused kernels of the per-channel operators and of BNP's gradient transform, and which
+implementation a call runs.
 
-Each per-channel operator (``distnorm::cbn_plan``, ``distnorm::backward_sums``, declared in
-:mod:`distnorm._ops`) has three implementations: the ATen composite
+Each of these operators (``distnorm::cbn_plan``, ``distnorm::backward_sums``,
+``distnorm::bnp_precondition``, declared in :mod:`distnorm._ops`) has three implementations: the ATen composite
 (:mod:`distnorm._composite`, the reference, on every device), one Triton kernel
 (:mod:`distnorm._triton`, CUDA) and one C kernel (:mod:`distnorm._cpu_kernels`, the CPU),
 the last two for the cases they take -- float32 accumulation, buffers of that dtype, a host
-count only when the batch is valid. Each is registered under its dispatch key
+count only when the batch is valid (the transform: the dtypes each kernel reads). Each is registered under its dispatch key
 (:mod:`distnorm._ops`): the composite for every device, the CPU's and CUDA's own
 implementations under ``CPU`` and ``CUDA``, each checking the cases it takes. The
 operator's last argument names the one the layer's group agreed on
@@ -33,11 +34,12 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from distnorm import _cpu_kernels
+from distnorm import _composite, _cpu_kernels
 from distnorm._composite import backward_sums_composite, cbn_plan_composite
 
-__all__ = ["MODES", "backward_sums", "backward_sums_cpu", "backward_sums_cuda", "cbn_plan", "cbn_plan_cpu",
-           "cbn_plan_cuda", "interpreted_kernels", "kernels_for", "load_interpreted", "mode"]
+__all__ = ["MODES", "backward_sums", "backward_sums_cpu", "backward_sums_cuda", "bnp_precondition",
+           "bnp_precondition_cpu", "bnp_precondition_cuda", "cbn_plan", "cbn_plan_cpu", "cbn_plan_cuda",
+           "interpreted_kernels", "kernels_for", "load_interpreted", "mode"]
 
 
 #: The values of ``DISTNORM_TRITON``.
@@ -234,3 +236,53 @@ def backward_sums_cpu(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tens
         if kernel == "triton":
             return _triton_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
     return backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)
+
+
+def bnp_precondition(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor, q2: Tensor,
+                     groups: int, kernel: str) -> tuple[Tensor, Tensor]:
+    """``distnorm::bnp_precondition`` on every device: the composite,
+    :func:`~distnorm._composite.bnp_precondition` (its arguments; ``q2`` a 0-dim tensor).
+    Without a bias the second result is empty. ``kernel`` as for :func:`cbn_plan`."""
+    new_weight, new_bias = _composite.bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups=groups)
+    return new_weight, new_bias if new_bias is not None else grad_weight.new_empty(0)
+
+
+def _triton_takes_transform(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor,
+                            q2: Tensor) -> bool:
+    """The Triton kernel's cases: a non-empty float32 / bfloat16 / float16 gradient, float32
+    moments, every tensor on the gradient's device (the same answer on every rank)."""
+    return (grad_weight.dtype in (torch.float32, torch.bfloat16, torch.float16) and grad_weight.numel() > 0
+            and mean.dtype == torch.float32 and var_t.dtype == torch.float32
+            and _on_one_device(grad_weight, grad_bias, mean, var_t, q2))
+
+
+def _triton_transform(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor, q2: Tensor,
+                      groups: int) -> tuple[Tensor, Tensor]:
+    """The Triton kernel of ``bnp_precondition`` on the gradient's device (compiled on CUDA,
+    interpreted on the CPU), for a case it takes; its arguments checked first (it reads raw
+    pointers)."""
+    _cpu_kernels.check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
+    return _launch("bnp_precondition", grad_weight.device,
+                   lambda k: k.bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups))
+
+
+def bnp_precondition_cuda(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor, q2: Tensor,
+                          groups: int, kernel: str) -> tuple[Tensor, Tensor]:
+    """``distnorm::bnp_precondition`` on CUDA: the Triton kernel (one launch, where the
+    composite makes five weight-sized passes) where the group agreed on it and it takes the
+    case, else the composite."""
+    if kernel == "triton" and _triton_takes_transform(grad_weight, grad_bias, mean, var_t, q2):
+        return _triton_transform(grad_weight, grad_bias, mean, var_t, q2, groups)
+    return bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups, kernel)
+
+
+def bnp_precondition_cpu(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor, q2: Tensor,
+                         groups: int, kernel: str) -> tuple[Tensor, Tensor]:
+    """``distnorm::bnp_precondition`` on the CPU: the C kernel (``kernel="cpu"``) for a float32
+    or float64 gradient, the Triton kernel in Triton's interpreter (``kernel="triton"``) for
+    the cases it takes, else the composite."""
+    if kernel == "cpu" and grad_weight.dtype in (torch.float32, torch.float64) and q2.device.type == "cpu":
+        return _cpu_kernels.bnp_precondition(grad_weight, grad_bias, mean, var_t, float(q2), groups)
+    if kernel == "triton" and _triton_takes_transform(grad_weight, grad_bias, mean, var_t, q2):
+        return _triton_transform(grad_weight, grad_bias, mean, var_t, q2, groups)
+    return bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups, kernel)

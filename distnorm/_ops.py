@@ -12,8 +12,10 @@ room that calls one imports the room that declares it.
   ``"triton"``, ``"cpu"``), as the group agreed (:mod:`distnorm._kernel_choice`).
 * ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
   the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
-* ``distnorm::bnp_precondition``: BNP's gradient transform on the CPU in one pass
-  (:mod:`distnorm._cpu_kernels`; the maths: :func:`distnorm._bnp_functions.bnp_precondition`).
+* ``distnorm::bnp_precondition``: BNP's gradient transform in one pass over the weight
+  gradient, registered as the per-channel steps are (the C kernel under ``CPU``, Triton's
+  under ``CUDA``, the composite for every device; the maths:
+  :func:`distnorm._composite.bnp_precondition`), with the same last argument.
 * ``distnorm::snapshot`` (compiled code only): copies of the AMAT and BNP buffers that a
   compiled step reads before updating them in place (:func:`distnorm._traced.cbn_statistics`
   says why it is an operator).
@@ -114,17 +116,17 @@ _LIB.impl("batch_norm_update_stats", _cpu_kernels.batch_norm_update_stats, "CPU"
 torch.library.register_fake("distnorm::batch_norm_update_stats", _batch_norm_update_stats_fake, lib=_LIB)
 
 
-# BNP's gradient transform on the CPU in one pass (kernel: distnorm._cpu_kernels), called by
-# distnorm._bnp_functions.BNPGradientFunction in eager mode where the layer's group agreed on the C
-# kernels; every other device, and compiled code (which fuses them itself), take ATen's calls.
+# BNP's gradient transform (kernels: distnorm._kernels): one pass over the weight gradient, the C
+# kernel on the CPU and Triton's on CUDA, called by distnorm._bnp_functions.BNPGradientFunction in
+# eager mode with the kernel the layer's group agreed on; compiled code fuses the composite's ATen
+# calls itself.
 def _bnp_precondition_fake(grad_weight: Tensor, grad_bias: Optional[Tensor], *_: Any) -> tuple[Tensor, Tensor]:
     return torch.empty_like(grad_weight), grad_weight.new_empty(grad_weight.shape[0] if grad_bias is not None else 0)
 
 
-_LIB.define("bnp_precondition(Tensor grad_weight, Tensor? grad_bias, Tensor mean, Tensor var_t, float q2, int groups) "
-            "-> (Tensor, Tensor)")
-_LIB.impl("bnp_precondition", _cpu_kernels.bnp_precondition, "CPU")
-torch.library.register_fake("distnorm::bnp_precondition", _bnp_precondition_fake, lib=_LIB)
+_define("bnp_precondition", _kernels.bnp_precondition, _bnp_precondition_fake)
+_LIB.impl("bnp_precondition", _kernels.bnp_precondition_cpu, "CPU")
+_LIB.impl("bnp_precondition", _kernels.bnp_precondition_cuda, "CUDA")
 
 
 # The operators' one overload each: what the package calls (no overload resolution per call).

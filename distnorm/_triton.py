@@ -1,13 +1,16 @@
-"""CUDA kernels of the fused per-channel steps (:mod:`distnorm._kernels`), in Triton.
+"""CUDA kernels of the fused per-channel steps and of BNP's gradient transform
+(:mod:`distnorm._kernels`), in Triton.
 
-One program walks every channel in blocks, so the scalars a step also updates (the AMAT
-flag, ``num_batches_tracked``) are read before and written after every channel in the same
-program: no race between programs, a barrier between the program's warps before the
-scalars are stored, and one launch per step. Each launch runs on its tensors' device
+In the per-channel steps one program walks every channel in blocks, so the scalars a step
+also updates (the AMAT flag, ``num_batches_tracked``) are read before and written after every
+channel in the same program: no race between programs, a barrier between the program's warps
+before the scalars are stored, and one launch per step. BNP's transform runs one program per
+output channel (its row of the weight gradient, and its bias's row sum). Each launch runs on its tensors' device
 (``torch.cuda.device``), whatever the current device is. Each kernel is the
 composite of :mod:`distnorm._composite` written element-wise, in the same order of operations
-(``torch.lerp``'s two-sided formula included); ``tests/test_fused.py`` runs every kernel
-through Triton's interpreter on the CPU against the composite.
+(``torch.lerp``'s two-sided formula included; the transform's row sum in its own order);
+``tests/test_fused.py`` and ``tests/test_bnp.py`` run every kernel through Triton's
+interpreter on the CPU against the composite.
 
 This module imports Triton; :mod:`distnorm._kernels` imports it only where a CUDA tensor
 meets a supported case, so a machine without Triton never loads it.
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "KERNELS", "backward_sums", "cbn_plan"]
+__all__ = ["BLOCK", "KERNELS", "backward_sums", "bnp_precondition", "cbn_plan"]
 
 #: Channels per block of the single program (a power of two; C > BLOCK loops).
 BLOCK = 1024
@@ -36,6 +39,13 @@ def _lerp(start, end, weight):
 def _clamp(x, lo, hi):
     """``torch.clamp``: NaN stays NaN (compiled ``tl.maximum`` / ``tl.minimum`` would drop it)."""
     return tl.minimum(tl.maximum(x, lo, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _add(a, b):
+    """The combine of a sum (``tl.sum`` is a Triton helper in Triton's language module, which
+    the interpreter of :func:`distnorm._kernels.load_interpreted` does not run)."""
+    return a + b
 
 
 # A Triton kernel takes each tensor as a pointer, so its parameters are the step's tensors one
@@ -158,8 +168,39 @@ def _backward_sums_kernel(s1_ptr, t_ptr, beta_coef_ptr, a_ptr, coef_ptr, sums_pt
     tl.store(count_ptr, tl.load(coef_ptr + 3 * C).to(tl.int32))
 
 
+@triton.jit
+def _bnp_precondition_kernel(gw_ptr, gb_ptr, mu_ptr, vt_ptr, q2_ptr, out_w_ptr, out_b_ptr, row_len, kernel_size,
+                             rows_per_group, per_group, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program per output channel d: its row of the dense (C_out, per_group * kernel)
+    # gradient in blocks, the bias's row sum in float32 lanes reduced in a fixed tree (the
+    # same bits at every launch). Input channel of row position j: first + j // kernel_size.
+    d = tl.program_id(0).to(tl.int64)
+    q2 = tl.load(q2_ptr).to(tl.float32)
+    first = (d // rows_per_group) * per_group
+    row = d * row_len
+    if HAS_BIAS:
+        g = tl.load(gb_ptr + d).to(tl.float32)
+        acc = tl.full([BLOCK_K], 0.0, tl.float32)
+    for start in range(0, row_len, BLOCK_K):
+        offs = start + tl.arange(0, BLOCK_K)
+        m = offs < row_len
+        p = first + offs // kernel_size
+        den = tl.load(vt_ptr + p, mask=m, other=1.0) * q2
+        src = tl.load(gw_ptr + row + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            mu = tl.load(mu_ptr + p, mask=m, other=0.0)
+            new = tl.div_rn(src - mu * g, den)
+            acc += mu * new  # masked lanes: mu = 0
+        else:
+            new = tl.div_rn(src, den)
+        tl.store(out_w_ptr + row + offs, new.to(out_w_ptr.dtype.element_ty), mask=m)
+    if HAS_BIAS:
+        tl.store(out_b_ptr + d, (tl.div_rn(g, q2) - tl.reduce(acc, 0, _add)).to(out_b_ptr.dtype.element_ty))
+
+
 #: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
-KERNELS = {"cbn_plan": _cbn_plan_kernel, "backward_sums": _backward_sums_kernel}
+KERNELS = {"cbn_plan": _cbn_plan_kernel, "backward_sums": _backward_sums_kernel,
+           "bnp_precondition": _bnp_precondition_kernel}
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
@@ -205,3 +246,24 @@ def backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernels=KERN
         kernels["backward_sums"][(1,)](s1, t, beta_coef, grad_scale, grad_coef, sums, grad_w, grad_b, w, count,
                                        channels, inv_rho, BLOCK_C=_block(channels))
     return sums, grad_w, grad_b, w, count
+
+
+def bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups, kernels=KERNELS):
+    """The CUDA kernel of ``distnorm::bnp_precondition`` (the arguments of
+    :func:`distnorm._composite.bnp_precondition`, ``q2`` a 0-dim tensor on the gradient's
+    device): one launch, one read of the weight gradient and one write of its transform, in
+    float32 (the gradient's dtype: float32, bfloat16 or float16; the moments float32), for a
+    non-empty gradient. Without a bias the second result is empty."""
+    gw = grad_weight.contiguous()
+    out_channels, kernel_size = gw.shape[0], gw[0, 0].numel() if gw.dim() > 2 else 1
+    row_len = gw[0].numel() if out_channels else 0
+    out_w = torch.empty_like(gw)
+    out_b = gw.new_empty(out_channels if grad_bias is not None else 0,
+                         dtype=grad_bias.dtype if grad_bias is not None else gw.dtype)
+    gb = grad_bias.contiguous() if grad_bias is not None else gw
+    with _on(gw.device):
+        kernels["bnp_precondition"][(out_channels,)](
+            gw, gb, mean.contiguous(), var_t.contiguous(), q2, out_w, out_b, row_len, kernel_size,
+            out_channels // groups, mean.numel() // groups, HAS_BIAS=grad_bias is not None,
+            BLOCK_K=min(BLOCK, max(16, triton.next_power_of_2(row_len))))
+    return out_w, out_b

@@ -120,11 +120,12 @@ def _aliases(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     if state.aliases is None:
         mean, var_t, q2 = state.active
         weight = _own(module, "weight")
-        # The C kernel where the group agreed on it (after this step's statistics, which carried
-        # the vote at its first step); a compiled backward fuses ATen's calls itself.
-        cpu_kernel = not torch.compiler.is_compiling() and _kernel_choice.kernels_of(state, state.group(), weight.device).cpu
+        # The kernel the group agreed on (after this step's statistics, which carried the vote
+        # at its first step); a compiled backward fuses ATen's calls itself.
+        kernel = (None if torch.compiler.is_compiling()
+                  else _kernel_choice.kernels_of(state, state.group(), weight.device).per_channel)
         state.aliases = BNPGradientFunction.apply(weight, _own(module, "bias"), mean, var_t, q2, state.groups,
-                                                  cpu_kernel)
+                                                  kernel)
     return state.aliases
 
 

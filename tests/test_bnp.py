@@ -122,6 +122,15 @@ PRECONDITIONED = [((6, 40), 1, True, 7.0), ((16, 8, 3, 3), 1, True, 5.0), ((16, 
                   ((8, 1, 3, 3), 8, True, 5.0), ((16, 8, 3, 3), 1, False, 2.0)]
 
 
+def _transform_grads(weight, bias_param, mean, var_t, q2, groups, kernel, grad_w, grad_b):
+    """``(G_w, G_b)`` preconditioned by :class:`BNPGradientFunction`'s backward with ``kernel``."""
+    from distnorm._bnp_functions import BNPGradientFunction
+
+    aliases = BNPGradientFunction.apply(weight, bias_param, mean, var_t, q2, groups, kernel)
+    inputs = [weight] + ([bias_param] if bias_param is not None else [])
+    return torch.autograd.grad(aliases[:len(inputs)], inputs, [grad_w] + ([grad_b] if grad_b is not None else []))
+
+
 @pytest.mark.parametrize("shape,groups,bias,aten_passes", PRECONDITIONED)
 def test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient(shape, groups, bias, aten_passes):
     """BNP's backward on the CPU, float32: the C kernel (``distnorm::bnp_precondition``) reads
@@ -130,8 +139,6 @@ def test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient(shape
     matrices to float32 rounding; the kernel's bits do not depend on the thread count. The pass
     count shows that the kernel is used (left unused: 5 passes), and each group's rows read
     that group's statistics, not group 0's."""
-    from distnorm._bnp_functions import BNPGradientFunction
-
     torch.manual_seed(0)
     in_channels = shape[1] * groups
     weight = torch.randn(shape, requires_grad=True)
@@ -141,24 +148,54 @@ def test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient(shape
     want_w, want_b = _explicit_transform(grad_w.double(), grad_b.double() if bias else None, mean.double(),
                                          var_t.double(), 3.0, groups)
     results, passes = {}, {}
-    for cpu_kernel in (True, False):
-        aliases = BNPGradientFunction.apply(weight, bias_param, mean, var_t, q2, groups, cpu_kernel)
-        inputs = [weight] + ([bias_param] if bias else [])
+    for kernel in ("cpu", None):
         with OpCounter(activation=weight) as counter:
-            results[cpu_kernel] = torch.autograd.grad(aliases[:len(inputs)], inputs, [grad_w] + ([grad_b] if bias else []))
-        passes[cpu_kernel] = counter.passes
-        torch.testing.assert_close(results[cpu_kernel][0].double(), want_w, rtol=1e-5, atol=1e-6)
+            results[kernel] = _transform_grads(weight, bias_param, mean, var_t, q2, groups, kernel, grad_w, grad_b)
+        passes[kernel] = counter.passes
+        torch.testing.assert_close(results[kernel][0].double(), want_w, rtol=1e-5, atol=1e-6)
         if bias:
-            torch.testing.assert_close(results[cpu_kernel][1].double(), want_b, rtol=1e-5, atol=1e-5)
-    assert passes == {True: 2.0, False: aten_passes}, passes
+            torch.testing.assert_close(results[kernel][1].double(), want_b, rtol=1e-5, atol=1e-5)
+    assert passes == {"cpu": 2.0, None: aten_passes}, passes
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        aliases = BNPGradientFunction.apply(weight, bias_param, mean, var_t, q2, groups, True)
-        one_thread = torch.autograd.grad(aliases[:len(inputs)], inputs, [grad_w] + ([grad_b] if bias else []))
+        one_thread = _transform_grads(weight, bias_param, mean, var_t, q2, groups, "cpu", grad_w, grad_b)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(one_thread, results[True]))
+    assert all(torch.equal(a, b) for a, b in zip(one_thread, results["cpu"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,groups,bias,aten_passes", PRECONDITIONED)
+def test_the_triton_kernel_preconditions_in_one_pass(shape, groups, bias, aten_passes, dtype, monkeypatch):
+    """BNP's backward on CUDA runs Triton's kernel (``distnorm::bnp_precondition`` under
+    ``CUDA``), run here by Triton's interpreter (``DISTNORM_TRITON=interpret``): one read of
+    the weight gradient and one write of its transform, equal to the explicit float64 matrices
+    to the gradient dtype's rounding (float32 arithmetic for a bfloat16 gradient, as the
+    composite's), each group's rows with their group's statistics, the bias's row sum longer
+    than one block included (a dense row of 40)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("DISTNORM_TRITON", "interpret")
+    torch.manual_seed(0)
+    in_channels = shape[1] * groups
+    weight = torch.randn(shape, dtype=dtype, requires_grad=True)
+    bias_param = torch.randn(shape[0], dtype=dtype, requires_grad=True) if bias else None
+    mean, var_t, q2 = torch.randn(in_channels), torch.rand(in_channels) + 0.5, torch.tensor(3.0)
+    grad_w, grad_b = torch.randn(shape, dtype=dtype), torch.randn(shape[0], dtype=dtype) if bias else None
+    want_w, want_b = _explicit_transform(grad_w.double(), grad_b.double() if bias else None, mean.double(),
+                                         var_t.double(), 3.0, groups)
+    with OpCounter(activation=weight) as counter:
+        got = _transform_grads(weight, bias_param, mean, var_t, q2, groups, "triton", grad_w, grad_b)
+    assert counter.ops.count("distnorm.bnp_precondition.default") == 1, counter.table()
+    assert counter.passes == 2.0
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    assert got[0].dtype == dtype
+    torch.testing.assert_close(got[0].double(), want_w, **tol)
+    if bias:
+        torch.testing.assert_close(got[1].double(), want_b, **tol)
+    composite = _transform_grads(weight, bias_param, mean, var_t, q2, groups, None, grad_w, grad_b)
+    for a, b in zip(got, composite):  # to one rounding of the gradient dtype
+        torch.testing.assert_close(a, b, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-5)
 
 
 def test_the_cpu_kernel_refuses_what_does_not_match():
@@ -169,16 +206,19 @@ def test_the_cpu_kernel_refuses_what_does_not_match():
 
     kernel = torch.ops.distnorm.bnp_precondition
     grad_w, grad_b, mean, var_t = torch.randn(6, 4, 3, 3), torch.randn(6), torch.randn(4), torch.rand(4) + 0.5
-    kernel(grad_w, grad_b, mean, var_t, 2.0, 1)  # matches
-    for bad in [(grad_w, grad_b, mean, var_t, 2.0, 2),  # 2 groups of 4 channels: 8 moments needed
-                (grad_w, grad_b, torch.randn(5), torch.rand(5), 2.0, 1),
-                (grad_w, torch.randn(5), mean, var_t, 2.0, 1),
-                (grad_w, grad_b, mean, torch.rand(3), 2.0, 1)]:
-        for way in (kernel, lambda *a: bnp_precondition(*a[:5], groups=a[5])):
+    q2 = torch.tensor(2.0)
+    kernel(grad_w, grad_b, mean, var_t, q2, 1, "cpu")  # matches
+    for bad in [(grad_w, grad_b, mean, var_t, q2, 2),  # 2 groups of 4 channels: 8 moments needed
+                (grad_w, grad_b, torch.randn(5), torch.rand(5), q2, 1),
+                (grad_w, torch.randn(5), mean, var_t, q2, 1),
+                (grad_w, grad_b, mean, torch.rand(3), q2, 1)]:
+        for way in (lambda *a: kernel(*a, "cpu"), lambda *a: bnp_precondition(*a[:5], groups=a[5])):
             with pytest.raises(ValueError, match="do not match"):
                 way(*bad)
-    with pytest.raises(TypeError, match="float32 or float64"):
-        kernel(grad_w.half(), grad_b, mean, var_t, 2.0, 1)
+    from distnorm import _cpu_kernels
+
+    with pytest.raises(TypeError, match="float32 or float64"):  # the operator gives a half gradient the composite
+        _cpu_kernels.bnp_precondition(grad_w.half(), grad_b, mean, var_t, 2.0, 1)
 
 
 def test_dense_single_sample_uses_running_mean_for_variance():
