@@ -104,7 +104,7 @@ PARTS = ("tests", "step_eager", "step_compile", "step_compile_more", "host", "pr
 #: The parts that run bench/step_gpu.py.
 STEP_PARTS = ("step_eager", "step_compile", "step_compile_more")
 TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_step_cost.py", "tests/test_compile.py",
-         "tests/test_checkpointing.py"]
+         "tests/test_checkpointing.py", "tests/test_prefetch.py"]
 #: Only the tests that need CUDA (the CPU tests of these files run in ``make test``).
 TEST_MARKER = "cuda"
 #: What the tests' process gets: conftest.py collects without Sybil in this tier.

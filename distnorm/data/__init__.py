@@ -7,6 +7,8 @@
 * :mod:`distnorm.data.specs` — their settings, :class:`LoaderSpec` and :class:`ImageSpec`,
   checked without importing torch (what ``distnorm-train --check`` reads);
 * :mod:`distnorm.data.transforms` — the recipes' transforms, normalized per batch;
+* :mod:`distnorm.data.prefetch` — :func:`to_device`: the next batches copied to the GPU
+  while the step runs;
 * :func:`evaluate` — top-1 / top-5 / loss reduced across ranks.
 
 Names are imported lazily (so ``python -m distnorm.data.shards`` and ``import
@@ -28,6 +30,7 @@ _EXPORTS = {
     "write_shards": "shards", "plan_shards": "shards",
     "DatasetSource": "sources", "DigitsSource": "sources", "ImageFolderSource": "sources",
     "SyntheticSource": "sources",
+    "to_device": "prefetch",
 }
 __all__ = sorted(_EXPORTS)
 

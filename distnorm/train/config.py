@@ -93,6 +93,9 @@ class DataConfig(LoaderSpec):
                               non_negative_int)
     eval_batch_size: int | None = param(None, "per-rank evaluation batch (default: the training per-rank batch)",
                                         optional(positive_int))
+    device_prefetch: int = param(1, "batches copied to the device ahead of the step that reads them (CUDA: on a side "
+                                    "stream, from pinned memory; distnorm.data.to_device); 0: each at its step",
+                                 non_negative_int)
 
 
 @dataclass(frozen=True)

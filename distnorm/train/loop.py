@@ -22,7 +22,7 @@ from torch import nn
 import distnorm
 from distnorm import _collectives, models
 from distnorm._collectives import assert_same_across_ranks
-from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate
+from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate, to_device
 from distnorm.data.specs import DataError
 from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
 from distnorm.monitors import TheoryMonitor
@@ -274,7 +274,7 @@ def train_one_epoch(cfg: TrainConfig, engine: Any, loader: Any, position: Positi
     loader.set_epoch(epoch, skip_batches=position.step_in_epoch)
     engine.model.train()
     lr, seen, loss_sum, window = engine.lr(), 0, 0.0, time.time()
-    for images, labels in loader:
+    for images, labels in to_device(loader, engine.device, cfg.data.device_prefetch):
         step = position.global_step + 1
         position.step_in_epoch += 1
         images = engine.cast_inputs(images.to(engine.device, non_blocking=True))
@@ -374,7 +374,7 @@ def _end_of_epoch(cfg: TrainConfig, engine: Any, eval_loader: Any, position: Pos
     epoch = position.epoch + 1  # epochs done
     if eval_loader is not None and (epoch % cfg.train.eval_every_epochs == 0 or epoch == cfg.train.epochs):
         last_eval = evaluate(engine.eval_model(), eval_loader, device=engine.device, process_group=None,
-                             cast=engine.cast_inputs)
+                             cast=engine.cast_inputs, prefetch=cfg.data.device_prefetch)
         report.writer.log("eval", step=position.global_step, epoch=epoch, **last_eval)
     if engine.is_main:
         summary = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in last_eval.items())
