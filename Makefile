@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install system-deps test check cpu-seconds docs test-gpu test-cluster demo bench clean mutants
+.PHONY: install system-deps test check cpu-seconds docs test-gpu gpu-deps test-cluster demo bench clean mutants
 
 install: $(STAMP)
 
@@ -96,6 +96,13 @@ test-cluster: $(STAMP) system-deps
 GPU_PREREQ := $(if $(filter command line,$(origin PY)),,$(STAMP))
 test-gpu: $(GPU_PREREQ)
 	$(PY) bench/gpu_report.py $(if $(PYTEST_ARGS),--pytest-args='$(PYTEST_ARGS)') $(GPU_REPORT_ARGS)
+
+# The pure-Python packages bench/loader_step.py needs that a lent GPU machine lacks (WebDataset
+# and its braceexpand), copied from the venv into .gpu-deps/ (git-ignored): the device call
+# carries that folder, and bench/gpu_report.py puts it on PYTHONPATH.
+gpu-deps: $(STAMP)
+	rm -rf .gpu-deps && mkdir -p .gpu-deps
+	$(PY) -c 'import pathlib, shutil, webdataset, braceexpand; [shutil.copytree(pathlib.Path(m.__file__).parent, ".gpu-deps/" + m.__name__) if m.__file__.endswith("__init__.py") else shutil.copy(m.__file__, ".gpu-deps/") for m in (webdataset, braceexpand)]'
 
 # The quick start: digits shards, a 2-process CPU run of configs/demo/digits.yaml through
 # launch/torchrun.sh, then plots. A few minutes on 2 cores.

@@ -43,6 +43,12 @@ output also goes to ``<out>/<name>.<part>.log`` as it runs, or into the bundle):
   ``nn.BatchNorm2d``.
 * **decode**: ``bench/decode_gpu.py --device cuda``: the data pipeline's ``decode_device:
   cuda`` path (batched nvJPEG decode, crop, flip, normalize on the GPU) against PIL on one core.
+* **loader**: ``bench/loader_step.py --device cuda``: ResNet-50 and ResNet-18 steps (eager,
+  compiled) fed by the recipes' loader from shards it writes, against the same steps on a
+  batch already on the GPU; last in the default plan, which it fits only when the parts before
+  it end early: run it alone with ``--only loader``. It needs WebDataset, which a lent machine
+  lacks: ``make gpu-deps`` copies it (pure Python) into ``.gpu-deps/``, which the run carries
+  and this report puts on ``PYTHONPATH``.
 
 The report opens with the step ratios of the three step parts against local BN in the same
 mode, each next to its goal (``step_gpu.GOALS``: compiled and CUDA graphs at most 1.05x
@@ -100,7 +106,7 @@ import torch
 from _common import REPO, machine
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("tests", "step_eager", "step_compile", "step_compile_more", "host", "profile", "layers", "decode")
+PARTS = ("tests", "step_eager", "step_compile", "step_compile_more", "host", "profile", "layers", "decode", "loader")
 #: The parts that run bench/step_gpu.py.
 STEP_PARTS = ("step_eager", "step_compile", "step_compile_more")
 TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_step_cost.py", "tests/test_compile.py",
@@ -142,12 +148,13 @@ PLANS = {
     "default": Plan(
         budget_s=470,
         limits_s={"tests": 150, "step_eager": 130, "step_compile": 240, "step_compile_more": 200, "host": 60,
-                  "profile": 90, "layers": 90, "decode": 90},
+                  "profile": 90, "layers": 90, "decode": 90, "loader": 240},
         args={"step_eager": ("--modes", "eager"),
               "step_compile": (*_COMPILED, "--models", "resnet50", "--variants", "local_bn", "cbn", "syncbn", "popnorm"),
               "step_compile_more": (*_COMPILED, "--models", "resnet18", "efficientnet_b0", "--variants", "local_bn", "cbn"),
               "host": ("--profile", "cbn", "--replay"), "profile": ("--variants", "local_bn", "cbn", "--repeats", "5")},
-        min_s={"step_compile": 150, "step_compile_more": 90, "host": 20, "profile": 40, "layers": 40, "decode": 45}),
+        min_s={"step_compile": 150, "step_compile_more": 90, "host": 20, "profile": 40, "layers": 40, "decode": 45,
+               "loader": 120}),
     "quick": Plan(
         budget_s=210,
         limits_s={"tests": 150, "step_eager": 60, "host": 30, "layers": 45, "decode": 30},
@@ -156,7 +163,8 @@ PLANS = {
               "decode": ("--repeats", "1")}),
 }
 SCRIPTS = {"step_eager": "step_gpu.py", "step_compile": "step_gpu.py", "step_compile_more": "step_gpu.py",
-           "host": "host_cost.py", "profile": "profile_step.py", "layers": "layers.py", "decode": "decode_gpu.py"}
+           "host": "host_cost.py", "profile": "profile_step.py", "layers": "layers.py", "decode": "decode_gpu.py",
+           "loader": "loader_step.py"}
 
 
 def default_out() -> str:
@@ -196,6 +204,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers-args", default="", help="more bench/layers.py arguments, one string")
     parser.add_argument("--step-args", default="", help="more bench/step_gpu.py arguments (every step part)")
     parser.add_argument("--decode-args", default="", help="more bench/decode_gpu.py arguments, one string")
+    parser.add_argument("--loader-args", default="", help="more bench/loader_step.py arguments, one string")
     return parser
 
 
@@ -388,7 +397,7 @@ def run_benchmark(name: str, args: argparse.Namespace, timeout_s: float) -> dict
     result = out / f"{args.name}.{name}.json"
     result.unlink(missing_ok=True)
     extra = {**dict.fromkeys(STEP_PARTS, args.step_args), "host": args.host_args, "profile": args.profile_args,
-             "layers": args.layers_args, "decode": args.decode_args}[name]
+             "layers": args.layers_args, "decode": args.decode_args, "loader": args.loader_args}[name]
     # a step part is told its time, so that it ends by itself with what it finished
     told = ("--time-budget-s", f"{timeout_s - STEP_MARGIN_S:.0f}") if name in STEP_PARTS \
         and timeout_s > 2 * STEP_MARGIN_S else ()
@@ -627,6 +636,7 @@ def markdown(report: dict) -> str:
             for name, ms in entry["median_ms"].items():
                 lines.append(f"| {tuple(entry['shape'])} | {name} | {ms:.3f} | {entry['ratio_vs_batchnorm2d'][name]:.3f} |")
         lines.append("")
+    lines += _loader_lines(report["parts"].get("loader", {"status": "skipped", "reason": "not in this report"}))
     decode = report["parts"]["decode"]
     lines += ["## JPEG decode + ImageNet transform (data.decode_device)", ""]
     if decode["status"] != "ran":
@@ -639,6 +649,28 @@ def markdown(report: dict) -> str:
         ips = r["images_per_second"]
         lines += [f"| {name} | {ips[name]:.0f} | {ips[name] / ips['pil_1_core']:.2f} |" for name in ips] + [""]
     return "\n".join(lines)
+
+
+def _loader_lines(part: dict) -> list[str]:
+    """The loader part: each loader-fed step against the step on a resident batch."""
+    lines = ["## Training step fed by the loader (WebDataset shards, one GPU)", ""]
+    if part["status"] != "ran":
+        return lines + [_status_line(part), ""]
+    r = part["result"]
+    shards = r["shards"]
+    lines += [f"`{part['command']}`: {shards['images']} synthetic JPEGs (quality {shards['jpeg_quality']}, "
+              f"mean {shards['mean_shape_hw'][0]:.0f} x {shards['mean_shape_hw'][1]:.0f}), batch {r['batch_size']}, "
+              f"crop {r['image_size']}, prefetch {r['prefetch']}, {r['cpu_count']} cores.", "",
+              "| run | fed by | ms / step | images/s | × resident batch | loader alone, images/s | cores |",
+              "|---|---|---|---|---|---|---|"]
+    for run, variants in r["results"].items():
+        for key, e in variants.items():
+            lines.append(f"| {run} | {key} | {e['step_ms']:.1f} | {e['images_per_s']:.0f} | "
+                         f"{e.get('slowdown', 1.0):.3f} | {e.get('loader_alone_images_per_s', float('nan')):.0f} | "
+                         f"{e['cores']:.1f} |")
+    costs = r["cost_per_image_us"]
+    return lines + ["", "CPU per image (pil, one worker thread), µs: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in costs.items()), ""]
 
 
 def write_report(report: dict, out: Path, parts_dir: Path | None = None) -> None:
@@ -677,6 +709,9 @@ def _stop_on_sigterm(signum, frame) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
+    deps = REPO / ".gpu-deps"  # make gpu-deps: pure-Python packages a lent machine lacks (WebDataset)
+    if deps.is_dir():
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(deps), os.environ.get("PYTHONPATH")]))
     # --bundle: the parts write into a folder of their own, packed beside the report after each
     args.parts_dir = Path(tempfile.mkdtemp(prefix=f"{args.name}-parts-")) if args.bundle else out
     deadline = time.monotonic() + args.budget_s

@@ -108,6 +108,40 @@ def test_bench_bnp_quick(tmp_path):
         assert set(entry["transform_ms"]) == {"kernel", "aten"} and min(entry["transform_ms"].values()) > 0
 
 
+def test_bench_loader_step_quick(tmp_path, monkeypatch):
+    """bench/loader_step.py at its tiny size: a ResNet-18 step fed by the real loader from the
+    shards it writes, against the same step on a resident batch, per worker count; the CPU's
+    cost per image by stage, and the loader's scaling from 1 to 2 workers (the schema, not a
+    speed)."""
+    result = _run("loader_step.py", tmp_path)
+    assert result["shards"]["images"] == 64 and result["shards"]["jpeg_quality"] == 90
+    assert result["shards"]["mean_jpeg_bytes"] > 0
+    (run,) = result["results"]
+    assert run == "resnet18_eager"
+    variants = result["results"][run]
+    assert set(variants) == {"synthetic", "pil_1w", "pil_2w"}
+    _measured(result["ratios"])
+    assert set(result["ratios"]) == {"resnet18_eager_pil_1w", "resnet18_eager_pil_2w"}
+    for key, entry in variants.items():
+        numbers = {k: v for k, v in entry.items() if isinstance(v, float)}
+        assert set(numbers) >= {"step_ms", "images_per_s", "cores"}, key
+        _measured({k: v for k, v in numbers.items() if k != "cores"})
+        assert entry["cores"] >= 0
+    for key in ("pil_1w", "pil_2w"):
+        assert len(variants[key]["slowdown_per_round"]) == result["rounds"]
+        _measured({"alone": variants[key]["loader_alone_images_per_s"]})
+    costs = result["cost_per_image_us"]
+    assert set(costs) == {"read", "decode", "geometry", "normalize", "rest", "transfer", "total"}
+    assert costs["transfer"] == 0.0 and costs["decode"] > 0 and costs["total"] > 0
+    assert math.isclose(costs["total"], sum(v for k, v in costs.items() if k != "total"))
+    _measured({str(k): v for k, v in result["workers_scaling"]["images_per_s"].items()})
+    # the GPU report's table of it: a row per run and feed
+    md = "\n".join(_bench_module("gpu_report", monkeypatch)._loader_lines(
+        {"status": "ran", "command": "python bench/loader_step.py", "result": result}))
+    assert "| resnet18_eager | synthetic | " in md and "| resnet18_eager | pil_2w | " in md
+    assert f"{variants['pil_1w']['slowdown']:.3f}" in md and "CPU per image (pil, one worker thread)" in md
+
+
 @pytest.mark.timeout(600)
 def test_bench_data_quick(tmp_path):
     result = _run("data.py", tmp_path)
@@ -402,7 +436,7 @@ def test_gpu_report_without_cuda(tmp_path, monkeypatch):
     assert all("CUDA" in reason for reason in tests["skip_reasons"])
     assert "-m cuda" in tests["command"] and (tmp_path / "report.tests.xml").is_file()
     assert (tmp_path / tests["log"]).read_text().startswith("$ ")
-    for part in ("step_eager", "step_compile", "step_compile_more", "host", "profile", "layers", "decode"):
+    for part in ("step_eager", "step_compile", "step_compile_more", "host", "profile", "layers", "decode", "loader"):
         assert report["parts"][part] == {"status": "skipped", "reason": report["cuda"]["reason"]}
     triton = report["triton"]
     assert set(triton) == {"imports", "version", "error", "cc", "DISTNORM_TRITON"} and set(triton["cc"]) == {"path", "source", "version"}

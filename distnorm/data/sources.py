@@ -220,7 +220,8 @@ class SyntheticSource(_EncodedSizeMixin):
     depend on ``c``, plus per-image noise. Deterministic in ``(seed, index)``.
 
     Images are ``image_size`` squares, or, given ``shapes``, image ``i`` is
-    ``shapes[i % len(shapes)]`` (height, width) — e.g. :data:`IMAGENET_SHAPES`.
+    ``shapes[i % len(shapes)]`` (height, width) — e.g. :data:`IMAGENET_SHAPES`; JPEGs of
+    ``quality`` (ImageNet's own are mostly 75-95).
     """
 
     num_samples: int
@@ -228,6 +229,7 @@ class SyntheticSource(_EncodedSizeMixin):
     image_size: int = 224
     seed: int = 0
     shapes: tuple[tuple[int, int], ...] | None = None
+    quality: int = JPEG_QUALITY
     classes: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -256,4 +258,4 @@ class SyntheticSource(_EncodedSizeMixin):
         wave = np.sin(2 * np.pi * freq * (np.cos(angle) * xx + np.sin(angle) * yy) + phase)
         tint = np.array([(c * 37) % 255, (c * 91) % 255, (c * 53) % 255]) / 255.0
         image = 0.5 + 0.35 * wave[..., None] * (0.5 + tint) + rng.normal(0, 0.08, (h, w, 3))
-        return encode_jpeg((np.clip(image, 0, 1) * 255).astype(np.uint8))
+        return encode_jpeg((np.clip(image, 0, 1) * 255).astype(np.uint8), self.quality)
