@@ -15,7 +15,7 @@ their own, packed into ``<out>/<name>.parts.tar.gz`` at every rewrite of the rep
 ``<out>`` holds three files. The parts, in this order, each in its own process (its whole
 output also goes to ``<out>/<name>.<part>.log`` as it runs, or into the bundle):
 
-* **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_step_cost.py tests/test_compile.py tests/test_checkpointing.py``
+* **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_step_cost.py tests/test_compile.py tests/test_checkpointing.py tests/test_prefetch.py``
   with ``DISTNORM_TEST_TIER=gpu`` (conftest.py then does without Sybil): the CUDA tests only,
   passed / failed / skipped counts, every skip reason with its count (what the machine lacks:
   a CUDA device, a second GPU, triton), the failures by name (pytest's JUnit XML,

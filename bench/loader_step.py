@@ -215,12 +215,23 @@ def cost_per_image(urls: list[str], index: D.ShardIndex, args: argparse.Namespac
     return costs
 
 
+def loader_alone(stream, workers: int, args: argparse.Namespace, device: torch.device, cpu: Cpu) -> float:
+    """Images/s of ``stream`` with no model (the loader's ceiling), after the batches its
+    workers and the prefetch hold ready are taken untimed (they were made while steps ran)."""
+    for _ in range(2 * workers + args.prefetch + 1):  # the DataLoader's prefetch_factor 2 per worker
+        next(stream)
+    steps = max(args.steps, 4 * workers)
+    seconds, _ = window(lambda: next(stream), steps, device, cpu)
+    return args.batch_size / seconds
+
+
 def measure(name: str, mode: str, urls, index, args, device: torch.device, cpu: Cpu) -> dict:
     trainer = Trainer(name, mode, device)
     synthetic = (torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device),
                  torch.randint(0, 1000, (args.batch_size,), device=device))
-    streams = {f"{decoder}_{workers}w": batch_stream(urls, index, loader_options(decoder, workers, args), args, device)
-               for decoder in args.decoders for workers in args.workers}
+    feeds = {f"{decoder}_{workers}w": (decoder, workers) for decoder in args.decoders for workers in args.workers}
+    streams = {key: batch_stream(urls, index, loader_options(decoder, workers, args), args, device)
+               for key, (decoder, workers) in feeds.items()}
     steps = {"synthetic": lambda: trainer.step(*synthetic)}
     for key, stream in streams.items():
         steps[key] = lambda stream=stream: trainer.step(*next(stream))
@@ -234,10 +245,7 @@ def measure(name: str, mode: str, urls, index, args, device: torch.device, cpu: 
             seconds, busy = window(run_step, args.steps, device, cpu)
             times[key].append(seconds)
             cores[key].append(busy)
-    alone = {}
-    for key, stream in streams.items():  # the loader's ceiling: the same stream, no model
-        seconds, _ = window(lambda stream=stream: next(stream), args.steps, device, cpu)
-        alone[key] = args.batch_size / seconds
+    alone = {key: loader_alone(stream, feeds[key][1], args, device, cpu) for key, stream in streams.items()}
     base = statistics.median(times["synthetic"])
     result = {"synthetic": {"step_ms": base * 1e3, "images_per_s": args.batch_size / base,
                             "cores": statistics.median(cores["synthetic"])}}
@@ -265,9 +273,7 @@ def main(argv=None) -> dict:
             rates = {}
             for workers in (1, 2):
                 stream = batch_stream(urls, index, loader_options("pil", workers, args), args, device)
-                next(stream)
-                seconds, _ = window(lambda: next(stream), args.steps * 2, device, cpu)
-                rates[workers] = args.batch_size / seconds
+                rates[workers] = loader_alone(stream, workers, args, device, cpu)
                 stream.close()
             scaling = {"images_per_s": rates, "two_vs_one": rates[2] / rates[1]}
     payload = {"benchmark": "loader_step", "machine": machine(), "device": str(device), "cpu_count": os.cpu_count(),
