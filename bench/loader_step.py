@@ -15,8 +15,9 @@ cross-entropy (bf16 autocast on CUDA, channels_last). Windows of ``--steps`` ste
 ``--rounds`` times: the step on one batch already on the device (``synthetic``), then the
 step fed by :class:`~distnorm.data.TrainLoader` (the ``imagenet`` preset, the recipes'
 settings) through :func:`~distnorm.data.to_device` (``--prefetch`` batches ahead), per decoder
-variant (``--decoders``: ``pil`` in the DataLoader workers, ``torchvision`` there, or
-``torchvision-<device>``, decoded in the main process on the device). Each window is
+variant (``--decoders``: ``pil`` in the DataLoader workers, ``pil+reduced`` with libjpeg's
+reduced-size decode, ``torchvision`` there, or ``torchvision-<device>``, decoded in the main
+process on the device; PIL-SIMD is not among them: a lent GPU machine cannot install it). Each window is
 synchronized at both ends. Per variant:
 
 * ``slowdown``: median loader-fed step time over the median synthetic one (the goal on a
@@ -64,7 +65,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny: ResNet-18 at 32 px, a few steps (the tests)")
     parser.add_argument("--models", nargs="+", choices=("resnet18", "resnet50"))
     parser.add_argument("--modes", nargs="+", choices=("eager", "compile"))
-    parser.add_argument("--decoders", nargs="+", help="pil, torchvision, or torchvision-<device> (decoded there)")
+    parser.add_argument("--decoders", nargs="+",
+                        help="pil, pil+reduced, torchvision, or torchvision-<device> (decoded there)")
     parser.add_argument("--workers", type=int, nargs="+", help="DataLoader workers of each loader-fed window")
     parser.add_argument("--batch-size", type=int, help="per-step batch (256 on CUDA, 8 with --quick)")
     parser.add_argument("--image-size", type=int, help="training crop (224; 32 with --quick)")
@@ -82,7 +84,7 @@ def settings(args: argparse.Namespace) -> argparse.Namespace:
     defaults = {
         "models": ["resnet18"] if quick else ["resnet50", "resnet18"],
         "modes": ["eager"] if quick or not cuda else ["eager", "compile"],
-        "decoders": ["pil", f"torchvision-{args.device}"] if cuda else ["pil"],
+        "decoders": ["pil", "pil+reduced", f"torchvision-{args.device}"] if cuda else ["pil"],
         "workers": [1, 2] if not cuda else [max(1, min(12, (os.cpu_count() or 2) - 2))],
         "batch_size": 8 if quick else (256 if cuda else 32),
         "image_size": 32 if quick else 224,
@@ -110,8 +112,11 @@ def write_shards(root: Path, args: argparse.Namespace) -> tuple[list[str], D.Sha
 
 
 def loader_options(decoder: str, workers: int, args: argparse.Namespace) -> dict:
-    name, _, device = decoder.partition("-")
-    return {"transform": "imagenet", "image_size": args.image_size, "decoder": name,
+    """The loader's keywords for a ``--decoders`` entry: ``pil``, ``pil+reduced`` (libjpeg's
+    reduced-size decode where the crop allows it), ``torchvision``, ``torchvision-<device>``."""
+    name, _, reduced = decoder.partition("+")
+    name, _, device = name.partition("-")
+    return {"transform": "imagenet", "image_size": args.image_size, "decoder": name, "reduced_decode": bool(reduced),
             "decode_device": device or None, "num_workers": workers, "shuffle_buffer": 256,
             "pin_memory": args.device.startswith("cuda")}
 
