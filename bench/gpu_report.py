@@ -148,7 +148,7 @@ PLANS = {
     "default": Plan(
         budget_s=470,
         limits_s={"tests": 150, "step_eager": 130, "step_compile": 240, "step_compile_more": 200, "host": 60,
-                  "profile": 90, "layers": 90, "decode": 90, "loader": 240},
+                  "profile": 90, "layers": 90, "decode": 90, "loader": 400},
         args={"step_eager": ("--modes", "eager"),
               "step_compile": (*_COMPILED, "--models", "resnet50", "--variants", "local_bn", "cbn", "syncbn", "popnorm"),
               "step_compile_more": (*_COMPILED, "--models", "resnet18", "efficientnet_b0", "--variants", "local_bn", "cbn"),
