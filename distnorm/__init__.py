@@ -38,6 +38,7 @@ _EXPORTS = {
     "InconsistentStateError": "errors", "NonFiniteStatisticsError": "errors",
     "CBN": "layers", "POPNorm": "layers", "SyncBatchNorm": "layers", "name_layers": "layers", "set_lr": "layers",
     "DistNormPlugin": "plugin", "ddp_kwargs": "plugin",
+    "freeze": "serving",
     "BNPSpec": "specs", "CBNSpec": "specs", "GNSpec": "specs", "POPNormSpec": "specs", "SyncBNSpec": "specs",
 }
 
@@ -98,6 +99,7 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported 
     )
     from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
     from distnorm.plugin import DistNormPlugin, ddp_kwargs
+    from distnorm.serving import freeze
     from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __version__ = "0.1.0"
@@ -111,6 +113,7 @@ __all__ = [
     "check_consistency",
     "convert",
     "revert",
+    "freeze",
     "conversion_summary",
     "PreNorm",
     "DistNormConfig",

@@ -28,8 +28,8 @@ from distnorm._moments import accumulate_dtype
 from distnorm._state import CBNBuffers, NormState
 from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
-__all__ = ["CBNBuffers", "NormState", "amat_eta", "bnp_precondition", "cbn", "cbn_inference", "normalize",
-           "normalize_parts", "pop_norm", "sync_batch_norm"]
+__all__ = ["CBNBuffers", "NormState", "amat_eta", "bnp_precondition", "cbn", "cbn_eval_affine", "cbn_inference",
+           "normalize", "normalize_parts", "pop_norm", "sync_batch_norm"]
 
 
 def amat_eta(lr: float | torch.Tensor, omega: float) -> float | torch.Tensor:
@@ -223,10 +223,20 @@ def cbn_inference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buf
     ``amat_eta``, a buffer), so a model reloaded from a checkpoint evaluates as it did
     before saving.
     """
+    scale, shift = cbn_eval_affine(weight, bias, buffers, eta, state, accumulate_dtype(x))
+    return channel_affine(x, scale, shift)
+
+
+def cbn_eval_affine(weight: torch.Tensor, bias: torch.Tensor, buffers: CBNBuffers, eta: torch.Tensor,
+                    state: NormState, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-channel ``(scale, shift)`` of CBN / POP-Norm at evaluation, in ``dtype``:
+    ``y = scale[c] * x + shift[c]`` (:func:`cbn_inference`, its statistics and their choice),
+    with ``scale = gamma / rho / sqrt(var + eps)`` and ``shift = scale * (beta - mean)``.
+    Also what :func:`distnorm.freeze` puts in an evaluation-mode ``nn.BatchNorm``."""
     eval_stats, b = state.eval_stats, buffers
     if eval_stats not in EVAL_STATS:
         raise ValueError(f"{state.name}: eval_stats must be one of {EVAL_STATS}, got {eval_stats!r}")
-    acc = accumulate_dtype(x)
+    acc = dtype
     gamma, beta = weight.to(acc), bias.to(acc)
     if eval_stats == "amat":
         mean, var = b.amat_mean.to(acc), b.amat_var.to(acc)
@@ -242,7 +252,7 @@ def cbn_inference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buf
             mean = torch.where(use_amat, b.amat_mean.to(acc), mean)
             var = torch.where(use_amat, b.amat_var.to(acc), var)
     scale = gamma / state.rho * torch.rsqrt(var + state.eps)
-    return channel_affine(x, scale, scale * (beta - mean))
+    return scale, scale * (beta - mean)
 
 
 def pop_norm(  # the buffers one by one (no AMAT buffers: the call makes throwaway ones)
