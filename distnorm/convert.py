@@ -521,18 +521,60 @@ def _swap_activations(model, current, original_modules, graph_module, activation
 
 
 def revert(model: nn.Module) -> nn.Module:
-    """Undo :func:`convert`: put every original module object back (original classes,
-    and for ``"bn"`` the shared, trained parameters). Returns ``model``."""
+    """Undo :func:`convert`: put every original module object back (original classes; for
+    ``"bn"`` with the synchronized layers' trained parameters and statistics, on their device
+    and dtype). Returns ``model``.
+
+    The other norms have nothing to give back: the BatchNorms they replaced come back as they
+    were before training, so a trained model computes something else after ``revert``. It
+    warns then, naming :func:`distnorm.freeze`, which gives the trained model as plain
+    ``torch.nn``.
+    """
     record: _Record | None = getattr(model, "_distnorm_conversion", None)
     if record is None:
         raise ValueError("revert: this model was not converted by distnorm.convert")
     refuse_wrapped(model, "distnorm.revert()")
+    untrained = []
     for change in reversed(record.changes):
+        current = _get(model, change.path)
+        if isinstance(current, SyncBatchNorm) and isinstance(change.original, nn.modules.batchnorm._BatchNorm):
+            _carry_over(current, change.original)
+        elif _trained(current):
+            untrained.append(change.path)
         _set(model, change.path, change.original)
+    if untrained:
+        warnings.warn(
+            f"revert: {len(untrained)} trained distnorm layer(s) ({', '.join(untrained[:3])}"
+            f"{', ...' if len(untrained) > 3 else ''}) go back to the BatchNorms they replaced, as they were before "
+            "training: the model's outputs change. To keep what was trained as plain torch.nn, use "
+            "distnorm.freeze(model) instead.", stacklevel=2)
     for path in record.inplace_disabled:
         _get(model, path).inplace = True
     del model._distnorm_conversion
     return model
+
+
+def _trained(module: nn.Module) -> bool:
+    """Whether ``module`` holds a norm that training changed: a distnorm layer that counted
+    steps, or a GroupNorm whose affine left its initial ones and zeros."""
+    for m in module.modules():
+        if isinstance(m, _DistNormLayer) and getattr(m, "num_batches_tracked", None) is not None:
+            if int(m.num_batches_tracked) > 0:
+                return True
+        elif isinstance(m, nn.GroupNorm) and m.affine:
+            if bool(m.weight.detach().ne(1).any()) or bool(m.bias.detach().ne(0).any()):
+                return True
+    return False
+
+
+def _carry_over(layer: SyncBatchNorm, original: nn.Module) -> None:
+    """``layer``'s parameters and statistics into the BatchNorm it replaced: the Parameters
+    are shared, but a buffer replaced by ``model.to(...)`` after ``convert`` is the layer's alone."""
+    own = {k: v for k, v in layer.state_dict().items() if "." not in k}
+    floats = [t for t in own.values() if t.is_floating_point()]
+    if floats:
+        original.to(device=floats[0].device, dtype=floats[0].dtype)
+    original.load_state_dict({**original.state_dict(), **own}, strict=True)
 
 
 def conversion_summary(model: nn.Module) -> dict[str, int]:

@@ -8,6 +8,7 @@ import copy
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -234,3 +235,31 @@ def test_a_sharded_or_opaque_wrapper_is_refused_with_what_to_do():
     _torch_only(distnorm.freeze(Opaque()).inner)
     with pytest.raises(TypeError, match="wrap it in a container"):
         distnorm.freeze(distnorm.CBN(4))
+
+
+@pytest.mark.parametrize("norm", ["cbn", "popnorm", "gn"])
+def test_revert_after_training_warns_and_names_freeze(norm):
+    """``revert`` brings back the BatchNorms a trained CBN / POP-Norm / GN model replaced, as
+    they were before training: it says so and names ``freeze``; before training it is silent."""
+    torchvision = pytest.importorskip("torchvision")
+    fresh = distnorm.convert(torchvision.models.resnet18(num_classes=10), norm=norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distnorm.revert(fresh)
+    model = _trained(distnorm.convert(torchvision.models.resnet18(num_classes=10), norm=norm), torch.float32)
+    with pytest.warns(UserWarning, match=r"revert: \d+ trained distnorm layer.*distnorm.freeze\(model\)"):
+        distnorm.revert(model)
+
+
+def test_revert_of_a_bn_model_keeps_what_it_trained_after_a_move():
+    """``revert`` of a ``norm="bn"`` model gives back BatchNorms holding the trained parameters
+    and statistics, also after ``model.to(dtype)`` (which gives the synchronized layers new
+    buffers, not shared with the originals any more)."""
+    torchvision = pytest.importorskip("torchvision")
+    model = _trained(distnorm.convert(torchvision.models.resnet18(num_classes=10), norm="bn"), torch.float64)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        want = model(x)
+        reverted = distnorm.revert(model).eval()
+        assert type(reverted.bn1) is nn.BatchNorm2d and reverted.bn1.running_mean.dtype == torch.float64
+        _close(reverted(x), want, torch.float64)
