@@ -90,6 +90,7 @@ def freeze(model: nn.Module, *, fold: bool = False) -> nn.Module:
     frozen = copy.deepcopy(bare)
     record = frozen.__dict__.pop("_distnorm_conversion", None)
     originals = {change.path: change.original for change in record.changes} if record is not None else {}
+    _remove_hooks(frozen)
     added_biases = _remove_bnp(frozen)
     if isinstance(frozen, (_DistNormLayer, PreNorm)):
         raise TypeError(f"freeze: the model is itself a {type(frozen).__name__}; wrap it in a container "
@@ -125,22 +126,35 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+def _remove_hooks(model: nn.Module) -> None:
+    """Every hook distnorm registered on ``model``'s modules (BNP's, the plugin's learning-rate
+    hook, ...), whose code a plain model must not need."""
+    for module in model.modules():
+        for attr, hooks in list(vars(module).items()):
+            if not attr.endswith("hooks") or not isinstance(hooks, dict):
+                continue
+            for key in [k for k, hook in list(hooks.items()) if _from_distnorm(hook)]:
+                del hooks[key]
+                for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                              "_forward_hooks_always_called"):
+                    getattr(module, flags, {}).pop(key, None)
+
+
+def _from_distnorm(hook: Any) -> bool:
+    target = getattr(hook, "func", hook)  # a functools.partial
+    module = getattr(target, "__module__", None) or type(target).__module__
+    return isinstance(module, str) and module.startswith("distnorm.")
+
+
 def _remove_bnp(model: nn.Module) -> list[str]:
-    """Take BNP out of ``model`` (a copy): the wrapper classes, hooks, moments and state. Returns
-    the paths of the layers whose bias BNP added and training made non-zero (kept: the output
-    uses them); a still-zero added bias is removed."""
+    """Take BNP out of ``model`` (a copy): the wrapper classes, moments and state (its hooks
+    went with the others'). Returns the paths of the layers whose bias BNP added and training
+    made non-zero (kept: the output uses them); a still-zero added bias is removed."""
     added = []
-    for hooks in (model._forward_pre_hooks, model._forward_hooks):  # the root's check of the first forward
-        for key in [k for k, hook in list(hooks.items()) if _from_bnp(hook)]:
-            del hooks[key]
     for name, module in model.named_modules():
         state = module.__dict__.get("_distnorm_bnp")
         if state is None:
             continue
-        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._forward_pre_hooks_with_kwargs,
-                      module._forward_hooks_with_kwargs):
-            for key in [k for k, hook in list(hooks.items()) if _from_bnp(hook)]:
-                del hooks[key]
         module.__class__ = module._distnorm_original_class
         for buf in _BNP_BUFFERS:
             module._buffers.pop(buf, None)
@@ -152,11 +166,6 @@ def _remove_bnp(model: nn.Module) -> list[str]:
         for key in ("_distnorm_bnp", "_distnorm_buffers", "_distnorm_original_class"):
             module.__dict__.pop(key, None)
     return added
-
-
-def _from_bnp(hook: Any) -> bool:
-    target = getattr(hook, "func", hook)  # a functools.partial
-    return getattr(target, "__module__", "") == "distnorm.bnp"
 
 
 def _replace(parent: nn.Module, prefix: str, originals: dict[str, nn.Module], fold: bool) -> None:

@@ -65,9 +65,10 @@ def demo_run(digits, tmp_path_factory) -> tuple[Path, subprocess.CompletedProces
 
 @pytest.mark.processes
 @pytest.mark.timeout(900)
-def test_demo_path_end_to_end(demo_run):
+def test_demo_path_end_to_end(demo_run, digits):
     run, proc = demo_run
-    assert "final top-1" in proc.stdout and f"checkpoint: {run}/checkpoints/step_000000046\n" in proc.stdout
+    assert "final top-1" in proc.stdout and (f"checkpoint: {run}/checkpoints/step_000000046; frozen model: "
+                                             f"{run}/model-frozen.pt, {run}/model-frozen.onnx\n") in proc.stdout
     # A quiet console (output.log_level=warning): one summary line per epoch, no library INFO
     # lines (Accelerate's checkpointing printed 76 of them around the progress bar).
     assert [line[:9] for line in proc.stdout.splitlines() if line.startswith("epoch ")] == ["epoch 1/2", "epoch 2/2"]
@@ -82,6 +83,15 @@ def test_demo_path_end_to_end(demo_run):
     assert (run / "config.yaml").is_file()
     report = subprocess.run([sys.executable, "-m", "distnorm.report", str(run)], capture_output=True, text=True, timeout=300)
     assert report.returncode == 0 and (run / "report" / "top1.png").is_file()
+    # The frozen model the run wrote: distnorm-train --evaluate reads it and finds the run's last
+    # evaluation (the same samples; outputs equal to 1e-6, so at most a tie flips a sample).
+    done = subprocess.run([sys.executable, "-m", "distnorm.train", "--config", str(DEMO),
+                           *_data_overrides(digits),
+                           "data.eval_workers=0", "--evaluate", str(run / "model-frozen.pt")],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    top1 = float(done.stdout.split("top-1 ")[1].split("%")[0])
+    assert abs(top1 - evals[-1]["top1"]) <= 100 / 360 + 1e-9 and "over 360 samples" in done.stdout
     monitors = _records(run, "monitor")
     layers = {r["layer"] for r in monitors}
     assert "model" in layers and "conv1.norm" in layers and {r["step"] for r in monitors} == {10, 20, 30, 40}
@@ -435,7 +445,7 @@ def test_launcher_refuses_a_truncated_shard_before_starting_workers(tmp_path, di
     shard.write_bytes(shard.read_bytes()[:5000])
     proc = _torchrun_sh(str(DEMO), *_data_overrides(data), f"output.dir={tmp_path / 'x'}",
                         env=_env(NPROC="2"), check=False, timeout=120)
-    assert proc.returncode == 2 and f"data.val_shards: 1 of 3 shard(s) differ" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "data.val_shards: 1 of 3 shard(s) differ" in proc.stderr, proc.stderr
     assert f"{shard}: 5000 bytes" in proc.stderr
     assert "torch.distributed" not in proc.stderr and not (tmp_path / "x").exists()  # no worker started
 

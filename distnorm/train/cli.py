@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --check: also compare every local shard's SHA-256 with its index "
                              "(reads every byte: minutes for ImageNet)")
     parser.add_argument("--world-size", type=int, default=None, help="with --check: the number of processes planned")
+    parser.add_argument("--evaluate", metavar="PATH",
+                        help="evaluate the frozen model a run wrote (its model-frozen.pt) on the recipe's evaluation "
+                             "shards, print top-1, and exit; no training")
     # The DeepSpeed launcher (and torch.distributed.launch) pass --local_rank=N to every
     # worker; LOCAL_RANK in the environment says the same and wins when both are present.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -210,12 +213,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         interrupt = _Interrupt()
         try:
-            from distnorm.train.loop import train
+            from distnorm.train.loop import evaluate_only, train
         except ModuleNotFoundError as err:  # one the check did not look up: said as the check says it
             if err.name is None or err.name.partition(".")[0] == "distnorm":
                 raise  # a module of distnorm itself: a broken install
             raise missing_module(err.name) from None
 
+        if args.evaluate:
+            if not Path(args.evaluate).is_file():
+                raise ConfigError(f"--evaluate {args.evaluate}: no such file (relative to {Path.cwd()}); a run "
+                                  "writes <output.dir>/model-frozen.pt at its end")
+            metrics = evaluate_only(cfg, args.evaluate)
+            if local_world()[0] == 0:
+                print(f"{args.evaluate}: top-1 {metrics['top1']:.2f}%, top-5 {metrics['top5']:.2f}%, "
+                      f"loss {metrics['loss']:.4f} over {metrics['count']} samples")
+            return 0
         result = train(cfg, dry_run=args.dry_run, dry_run_batch=args.dry_run_batch)
     except BaseException as err:  # noqa: BLE001 - each kind is reported below or re-raised
         code = _report(err, cfg, argv, interrupted=interrupt is not None and interrupt.seen)
@@ -237,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             top1 = f"{evaluation['top1']:.2f}%" if evaluation else "not evaluated"
             saved = f"checkpoint: {result['checkpoint']}" if result["checkpoint"] else "no checkpoint written"
-            print(f"final top-1 {top1}; metrics: {result['run_dir']}/metrics.jsonl; {saved}")
+            frozen = f"; frozen model: {', '.join(result['frozen'])}" if result["frozen"] else ""
+            print(f"final top-1 {top1}; metrics: {result['run_dir']}/metrics.jsonl; {saved}{frozen}")
     return 0
 
 

@@ -31,6 +31,7 @@ from distnorm.train.checkpoint import CheckpointManager
 from distnorm.train.checks import SetupMismatchError, check_setup, local_world
 from distnorm.train.config import ConfigError, TrainConfig
 from distnorm.train.engines import make_engine
+from distnorm.train.frozen import evaluate_frozen, write_frozen
 from distnorm.train.metrics import MetricsWriter
 
 __all__ = ["train", "train_one_epoch", "Position", "Reporting", "build_model", "build_loaders", "check_setup",
@@ -442,5 +443,25 @@ def train(cfg: TrainConfig, *, dry_run: bool = False, dry_run_batch: int | None 
         report.progress.close()
         writer.close()
     latest = checkpoints.latest() if outputs else None
+    # The trained model as plain torch.nn beside the checkpoints (distnorm.train.frozen).
+    frozen = write_frozen(engine.eval_model(), run_dir, cfg.data.image_size) if outputs and main else []
     return {"eval": last_eval, "global_step": position.global_step, "run_dir": str(run_dir),
-            "checkpoint": str(latest) if latest else None, "world_size": world, "per_rank_batch": per_rank}
+            "checkpoint": str(latest) if latest else None, "world_size": world, "per_rank_batch": per_rank,
+            "frozen": [str(path) for path in frozen]}
+
+
+def evaluate_only(cfg: TrainConfig, path: str) -> dict[str, Any]:
+    """``distnorm-train --evaluate PATH``: the frozen model at ``path`` (written by a run,
+    :mod:`distnorm.train.frozen`) over the recipe's evaluation shards, on this process's
+    device, the ranks of a launcher sharing the shards exactly once."""
+    rank, world = local_world()
+    d = cfg.data
+    if not d.val_shards:
+        raise ConfigError("--evaluate needs evaluation shards: set data.val_shards and data.val_index")
+    if world > 1:
+        init_distributed(cfg)
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available()
+              else torch.device("cpu"))
+    loader = EvalLoader(d.val_shards, index=d.val_index, batch_size=d.eval_batch_size or cfg.per_rank_batch(world),
+                        rank=rank, world_size=world, **{**d.loader_options(), "num_workers": d.eval_workers})
+    return evaluate_frozen(path, loader, device)
