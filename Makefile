@@ -105,8 +105,10 @@ gpu-deps: $(STAMP)
 	$(PY) -c 'import pathlib, shutil, webdataset, braceexpand; [shutil.copytree(pathlib.Path(m.__file__).parent, ".gpu-deps/" + m.__name__) if m.__file__.endswith("__init__.py") else shutil.copy(m.__file__, ".gpu-deps/") for m in (webdataset, braceexpand)]'
 
 # The quick start: digits shards, a 2-process CPU run of configs/demo/digits.yaml through
-# launch/torchrun.sh, then plots. A few minutes on 2 cores.
+# launch/torchrun.sh, then plots, then its final top-1 checked against a floor that holds on
+# every machine tried (98.06-98.89 % so far; the figure moves with rounding, not the floor).
 DEMO_DIR ?= runs/demo
+DEMO_MIN_TOP1 ?= 95
 demo: $(STAMP)
 	$(PY) -m distnorm.data.shards digits data/digits-train --split train --maxcount 256 --quiet
 	$(PY) -m distnorm.data.shards digits data/digits-val --split val --maxcount 128 --quiet
@@ -114,6 +116,9 @@ demo: $(STAMP)
 	NPROC=2 PYTHON=$(PY) OMP_NUM_THREADS=1 launch/torchrun.sh configs/demo/digits.yaml output.dir=$(DEMO_DIR) output.progress=false
 	$(PY) -m distnorm.report $(DEMO_DIR) --out $(DEMO_DIR)/report
 	@echo "metrics: $(DEMO_DIR)/metrics.jsonl  plots: $(DEMO_DIR)/report/  checkpoint: $(DEMO_DIR)/checkpoints/"
+	@$(PY) -c 'import json, sys; top1 = [r for r in map(json.loads, open("$(DEMO_DIR)/metrics.jsonl")) if r["kind"] == "eval"][-1]["top1"]; \
+		print(f"make demo: final top-1 {top1:.2f} % on the 360 validation digits (above $(DEMO_MIN_TOP1) %: checked)" if top1 > $(DEMO_MIN_TOP1) else f"make demo: final top-1 {top1:.2f} %, not above $(DEMO_MIN_TOP1) %: the demo did not learn what it should"); \
+		sys.exit(top1 <= $(DEMO_MIN_TOP1))'
 
 bench: $(STAMP)
 	$(PY) bench/layers.py --json bench/results/layers.json

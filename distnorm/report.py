@@ -1,7 +1,8 @@
 """Pictures of runs: ``distnorm-report RUN_DIR [RUN_DIR ...] [--out DIR]``.
 
 Reads each run's ``metrics.jsonl`` (written by ``distnorm-train``) and writes PNG plots —
-training loss, learning rate and images/s against the step, validation top-1 / top-5 and
+training loss, learning rate (as steps), AMAT's eta (when the run had AMAT) and images/s
+against the step, validation top-1 / top-5 and
 loss against the epoch, and the theory monitors when a run logged them — with the runs
 overlaid, plus ``summary.md`` (a table of each run's final and best numbers). Needs
 matplotlib (``pip install distnorm[report]``); no display is used.
@@ -48,11 +49,16 @@ def _label(run_dir: Path) -> str:
 PANELS = [
     ("train", "step", "loss", "training loss", "loss.png", True),
     ("train", "step", "lr", "learning rate", "lr.png", False),
-    ("train", "step", "images_per_sec", "images / s (all ranks)", "throughput.png", False),
+    ("train", "step", "amat_eta", "AMAT's weight on history, eta = clip(1 - omega lr, 0, 1)", "amat_eta.png", False),
+    ("train", "step", "images_per_sec", "images / s (all ranks; moves with the machine's load)", "throughput.png",
+     False),
     ("eval", "epoch", "top1", "validation top-1 (%)", "top1.png", False),
     ("eval", "epoch", "top5", "validation top-5 (%)", "top5.png", False),
     ("eval", "epoch", "loss", "validation loss", "val_loss.png", True),
 ]
+
+#: The panels drawn as steps (values set by a schedule, held between logged steps).
+STEPWISE = ("lr", "amat_eta")
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path) -> dict[str, Any]:
@@ -75,8 +81,10 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path) -> dict[str, A
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+        # A schedule holds its value until the next logged step: drawn as steps, a drop is a drop, not a ramp.
+        style = "steps-post" if ykey in STEPWISE else "default"
         for label, (xs, ys) in series.items():
-            ax.plot(xs, ys, label=label, marker="o" if kind == "eval" else None, markersize=3)
+            ax.plot(xs, ys, label=label, marker="o" if kind == "eval" else None, markersize=3, drawstyle=style)
         ax.set_xlabel(xkey)
         ax.set_title(title)
         if logy and all(y > 0 for _, ys in series.values() for y in ys):

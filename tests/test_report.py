@@ -103,3 +103,39 @@ def test_report_overlays_runs_and_survives_a_truncated_line(tmp_path):
     assert (tmp_path / "r" / "loss.png").is_file() and (tmp_path / "r" / "throughput.png").is_file()
     missing = subprocess.run([sys.executable, "-m", "distnorm.report", str(tmp_path / "nope")], capture_output=True, text=True)
     assert missing.returncode == 2 and "metrics.jsonl" in missing.stderr
+
+
+def test_schedules_are_drawn_as_steps_and_amat_eta_gets_its_panel(tmp_path):
+    """The learning rate and AMAT's eta hold their value between logged steps: drawn as steps,
+    a milestone's drop is a drop, not a ramp; a run that logged ``amat_eta`` gets its panel,
+    one that did not gets none."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from distnorm import report
+
+    drawn = []
+    original = plt.Axes.plot
+
+    def plot(self, *args, **kwargs):  # each panel's axes, read once drawn
+        drawn.append(self)
+        return original(self, *args, **kwargs)
+
+    for name, eta in (("amat", True), ("plain", False)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"kind": "train", "step": s, "epoch": 0, "loss": 1.0, "lr": 0.1 if s < 20 else 0.01,
+                 "images_per_sec": 50.0, **({"amat_eta": 0.0 if s < 20 else 0.9} if eta else {})} for s in (10, 20, 30)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        plt.Axes.plot = plot
+        try:
+            report.write_report([run], run / "report")
+        finally:
+            plt.Axes.plot = original
+        assert (run / "report" / "amat_eta.png").is_file() == eta
+    styles = {ax.get_title().split(",")[0]: {line.get_drawstyle() for line in ax.lines} for ax in drawn}
+    assert styles["learning rate"] == styles["AMAT's weight on history"] == {"steps-post"}
+    assert styles["training loss"] == {"default"}

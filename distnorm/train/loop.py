@@ -275,6 +275,7 @@ def train_one_epoch(cfg: TrainConfig, engine: Any, loader: Any, position: Positi
     loader.set_epoch(epoch, skip_batches=position.step_in_epoch)
     engine.model.train()
     lr, seen, loss_sum, window = engine.lr(), 0, 0.0, time.time()
+    amat = next((m for m in engine.plugin.model.modules() if getattr(m, "amat", False)), None)  # logs AMAT's eta
     for images, labels in to_device(loader, engine.device, cfg.data.device_prefetch):
         step = position.global_step + 1
         position.step_in_epoch += 1
@@ -307,7 +308,8 @@ def train_one_epoch(cfg: TrainConfig, engine: Any, loader: Any, position: Positi
         seen += 1
         if step % cfg.output.log_every == 0 or step == max_steps:
             ips = seen * per_rank * world / max(time.time() - window, 1e-9)
-            report.writer.log("train", step=step, epoch=epoch, loss=loss_sum / seen, lr=lr, images_per_sec=ips)
+            eta = {"amat_eta": amat.eta} if amat is not None else {}  # the weight AMAT gave history this step
+            report.writer.log("train", step=step, epoch=epoch, loss=loss_sum / seen, lr=lr, images_per_sec=ips, **eta)
             report.progress.update(loss=f"{loss_sum / seen:.4f}", lr=f"{lr:.4g}", img_s=f"{ips:.0f}")
             seen, loss_sum, window = 0, 0.0, time.time()
         else:
