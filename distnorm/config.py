@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from distnorm.settings import Section, boolean, coerce, non_negative_int, one_of, optional, param, positive, positive_int
+from distnorm.settings import (Section, boolean, coerce, keyed_lines, non_negative_int, one_of, optional, param, positive,
+                               positive_int)
 from distnorm.specs import ACTIVATION_NAMES, KEEP, NORM_LABELS, NORM_SPECS, BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 __all__ = ["DistNormConfig", "add_arguments", "ENV_PREFIX"]
@@ -100,8 +100,9 @@ class DistNormConfig(Section):
         return out
 
     def fingerprint(self) -> str:
-        """A canonical string of the configuration (compared across ranks)."""
-        return json.dumps(self.to_dict(), sort_keys=True)
+        """A canonical text of the configuration, one ``key = value`` line per setting
+        (compared across ranks: a mismatch names the keys that differ)."""
+        return "\n".join(keyed_lines(self.to_dict()))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, where: str = "config") -> "DistNormConfig":

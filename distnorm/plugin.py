@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distnorm import _collectives
 from distnorm._collectives import assert_same_across_ranks
+from distnorm.settings import differing_keys
 from distnorm._engines import engine_of, engines, fsdp_flat
 from distnorm.config import DistNormConfig
 from distnorm.consistency import check_consistency, consistent_tensors
@@ -262,11 +263,11 @@ class DistNormPlugin:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = DistNormConfig.from_dict(state["config"], where="checkpoint")
-        if saved.fingerprint() != self.config.fingerprint():
-            raise ValueError(
-                "distnorm: the checkpoint was written with a different distnorm configuration:\n"
-                f"  checkpoint: {saved.fingerprint()}\n  this run:   {self.config.fingerprint()}"
-            )
+        differ = differing_keys(saved.to_dict(), self.config.to_dict())
+        if differ:
+            listed = "; ".join(f"{key}: {then} in the checkpoint, {now} in this run" for key, (then, now) in differ.items())
+            raise ValueError(f"distnorm: the checkpoint was written with another distnorm configuration ({listed}); "
+                             "resume with the checkpoint's values, or start a new run in another directory")
         self.training_forwards = int(state["training_forwards"])
         self._resync = True  # broadcast + verify at the next training forward
 

@@ -20,6 +20,7 @@ This module is at the bottom of the package: it imports nothing of distnorm's.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Iterator, Mapping
@@ -198,3 +199,25 @@ def describe(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]
             continue
         kind = str(f.type).replace("'", "")
         yield key, kind, default, f.metadata.get("help", "")
+
+
+def keyed_lines(values: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``section.key = value`` lines of a configuration (values as JSON), nested sections
+    flattened and sorted: compared across ranks or with a checkpoint's, a mismatch names the
+    keys that differ (:func:`differing_keys`; ``distnorm._collectives.assert_same_across_ranks``)."""
+    lines = []
+    for key, value in sorted(values.items()):
+        if isinstance(value, Mapping) and value:
+            lines += keyed_lines(value, f"{prefix}{key}.")
+        else:
+            lines.append(f"{prefix}{key} = {json.dumps(value, sort_keys=True, default=str)}")
+    return lines
+
+
+def differing_keys(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    """The flattened keys whose values differ between two configurations: ``{key: (ours,
+    theirs)}``, a missing key shown as ``(not set)``."""
+    a = dict(line.split(" = ", 1) for line in keyed_lines(ours))
+    b = dict(line.split(" = ", 1) for line in keyed_lines(theirs))
+    return {k: (a.get(k, "(not set)"), b.get(k, "(not set)")) for k in sorted(a.keys() | b.keys())
+            if a.get(k) != b.get(k)}

@@ -26,6 +26,7 @@ from distnorm.data import EvalLoader, ShardIndex, TrainLoader, evaluate, to_devi
 from distnorm.data.specs import DataError
 from distnorm.errors import InconsistentStateError, NonFiniteStatisticsError
 from distnorm.monitors import TheoryMonitor
+from distnorm.settings import keyed_lines
 from distnorm.specs import KEEP
 from distnorm.train.checkpoint import CheckpointManager
 from distnorm.train.checks import SetupMismatchError, check_setup, local_world
@@ -57,18 +58,6 @@ def init_distributed(cfg: TrainConfig) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.train.collective_timeout_s))
 
 
-def _keyed_lines(values: dict[str, Any], prefix: str = "") -> list[str]:
-    """``section.key = value`` lines (values as JSON), nested sections flattened: compared
-    across ranks, a mismatch names the keys that differ (``assert_same_across_ranks``)."""
-    lines = []
-    for key, value in sorted(values.items()):
-        if isinstance(value, dict) and value:
-            lines += _keyed_lines(value, f"{prefix}{key}.")
-        else:
-            lines.append(f"{prefix}{key} = {json.dumps(value, sort_keys=True, default=str)}")
-    return lines
-
-
 def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
     """Start-up mismatch detection: one fixed-size hash all-reduce per item, before the
     engine's first collective; a mismatch is a :class:`SetupMismatchError` on every rank
@@ -81,7 +70,7 @@ def agree_on_setup(cfg: TrainConfig, model: nn.Module, world: int) -> None:
     config = cfg.to_dict()
     config["data"] = {k: v for k, v in config["data"].items() if not k.endswith(("_shards", "_index"))}
     items = {
-        "the training configuration": ("\n".join(_keyed_lines(config)),
+        "the training configuration": ("\n".join(keyed_lines(config)),
                                        "Every process must run the same config file with the same overrides (a "
                                        "node whose launcher got other overrides, or its own edited copy of the YAML)."),
         "the world size and per-rank batch": (f"world={world} per_rank={cfg.per_rank_batch(world)}", ""),
