@@ -95,3 +95,31 @@ def test_cli_rejects_unknown_norm():
     parser = distnorm.add_arguments(argparse.ArgumentParser())
     with pytest.raises(SystemExit):
         parser.parse_args(["--distnorm", "layernorm"])
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_and_the_place(tmp_path):
+    """A recipe that is not valid YAML: one line with the file, the line and column, and what
+    YAML found there — not a parser traceback."""
+    from distnorm.train.config import ConfigError, load_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: resnet18\n optim: {lr: 0.1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    message = str(info.value)
+    assert message.startswith(f"config {bad}, line 3, column ") and "not valid YAML" in message, message
+    assert "\n" not in message
+
+
+def test_extends_takes_a_shipped_recipes_name(tmp_path):
+    """``extends:`` names a shipped recipe by its name as well as a file by its path: a user's
+    file in any folder extends ``imagenet/resnet18_cbn``; a name that is neither says so."""
+    from distnorm.train.config import ConfigError, load_config
+
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("extends: imagenet/resnet18_cbn\noptim: {lr: 0.05}\n")
+    cfg = load_config(mine)
+    assert cfg.model.name == "resnet18" and cfg.distnorm.norm == "cbn" and cfg.optim.lr == 0.05
+    mine.write_text("extends: imagenet/resnet18_nope\n")
+    with pytest.raises(ConfigError, match="neither a file .* nor a shipped recipe's name"):
+        load_config(mine)

@@ -230,6 +230,10 @@ def test_corrupt_shard_fails_all_ranks_or_is_skipped(tmp_path, digits):
                     timeout=300)
     assert codes == [0, 0]
     assert any("skipped" in (tmp_path / f"err{r}.txt").read_text() for r in range(2))
+    # the epoch's count, summed over the ranks, in the run's metrics (data.on_error=skip's promise)
+    records = [json.loads(line) for line in (run2 / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r["kind"] == "data_skipped"]
+    assert skipped and skipped[0]["epoch"] == 0 and skipped[0]["count"] > 0, skipped
 
 
 @pytest.mark.timeout(600)

@@ -273,6 +273,11 @@ def test_missing_shards_and_engine_and_batch_split(tmp_path, digits, monkeypatch
     missing = load_config(DEMO, [*_data_overrides(digits)[1:], f"data.train_shards={digits}/digits-train-{{000000..000009}}.tar"])
     with pytest.raises(ConfigError, match="4 shard.s. missing"):
         check_setup(missing, 2)
+    # a relative data path's error says where it was looked for
+    monkeypatch.chdir(tmp_path)
+    relative = load_config(DEMO, ["data.train_index=data/nowhere-index.json"])
+    with pytest.raises(ConfigError, match=f"a relative path: looked up from the current directory, {tmp_path}"):
+        check_setup(relative, 2)
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # Python's own "not installed"
     ds = load_config(DEMO, [*_data_overrides(digits), "train.engine=deepspeed",
                             "train.deepspeed_config=configs/deepspeed/zero0_bf16.json"])

@@ -49,6 +49,11 @@ def require_training_modules() -> None:
         raise missing_module(missing[0])
 
 
+def _relative_to_here(path: str | os.PathLike) -> str:
+    """For a relative data path: which directory it was looked up in (the current one)."""
+    return "" if Path(path).is_absolute() else f" (a relative path: looked up from the current directory, {Path.cwd()})"
+
+
 def missing_module(name: str) -> ConfigError:
     """The error for a module of the ``[train]`` extra that is not installed."""
     return ConfigError(f"the optional dependency {name!r} is not installed; install the [train] extra: "
@@ -132,11 +137,13 @@ def check_setup(cfg: TrainConfig, world_size: int, *, data: bool = True, checksu
         if index is None:
             raise ConfigError(f"data.{split}_index is not set (distnorm-shards writes it beside the shards)")
         if not Path(index).is_file():
-            raise ConfigError(f"data.{split}_index {index} does not exist; write the shards with distnorm-shards first")
+            raise ConfigError(f"data.{split}_index {index} does not exist{_relative_to_here(index)}; write the shards "
+                              "with distnorm-shards first, or set the path")
         local = _local_shards(shards)
         missing = [u for u in local if not Path(u).is_file()]
         if missing:
-            raise ConfigError(f"data.{split}_shards: {len(missing)} shard(s) missing, e.g. {missing[0]}")
+            raise ConfigError(f"data.{split}_shards: {len(missing)} shard(s) missing, e.g. {missing[0]}"
+                              f"{_relative_to_here(missing[0])}")
         try:
             shard_index = ShardIndex.load(index)
         except ValueError as err:  # not an index, or an inconsistent one

@@ -3,7 +3,8 @@
 A recipe file is YAML with these top-level sections (every key optional but ``model.name``
 and the data paths; defaults below)::
 
-    extends: ../base/imagenet.yaml      # deep-merged underneath this file (relative path)
+    extends: ../base/imagenet.yaml      # deep-merged underneath this file (relative path, or a
+                                        # shipped recipe's name: extends: imagenet/resnet50_cbn)
     model:    {name: resnet18, num_classes: 1000}
     distnorm: {norm: cbn, cbn: {rho: 1.0, omega: 10.0}, bnp: null, ...}  # distnorm.DistNormConfig
     data:     {train_shards: ..., train_index: ..., val_shards: ..., val_index: ..., ...}
@@ -228,13 +229,37 @@ def _read(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"config {path} extends itself (cycle: {' -> '.join(map(str, seen + (path,)))})")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:  # one line: the file, the place, what YAML found there
+        mark = getattr(err, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(p) for p in (getattr(err, "context", None), getattr(err, "problem", None)) if p) or str(err)
+        raise ConfigError(f"config {path}{where}: not valid YAML ({what}); fix the file there "
+                          "(a key is 'name: value', nested keys indented by spaces, no tabs)") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of sections")
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    return _merge(_read(path.parent / parent, seen + (path,)), data)
+    return _merge(_read(_extended(path, str(parent)), seen + (path,)), data)
+
+
+def _extended(path: Path, parent: str) -> Path:
+    """The file ``extends: parent`` in ``path`` names: a path relative to ``path``'s folder,
+    or else a shipped recipe's name (``base/imagenet``, ``imagenet/resnet50_cbn``)."""
+    relative = path.parent / parent
+    if relative.is_file():
+        return relative
+    name = _shipped_name(parent).removesuffix(".yaml")
+    try:
+        shipped = shipped_recipes().get(name)
+    except ConfigError:
+        shipped = None
+    if shipped is None:
+        raise ConfigError(f"config {path}: extends: {parent} is neither a file ({relative} does not exist) nor a "
+                          "shipped recipe's name (distnorm-train --list-configs lists them)")
+    return shipped
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

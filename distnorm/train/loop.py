@@ -308,7 +308,23 @@ def train_one_epoch(cfg: TrainConfig, engine: Any, loader: Any, position: Positi
             report.save(position)
         if step >= max_steps:
             break
+    _report_skipped(loader, epoch, position.global_step, report, world, engine)
     return lr
+
+
+def _report_skipped(loader: Any, epoch: int, step: int, report: Reporting, world: int, engine: Any) -> None:
+    """``data.on_error=skip``: the samples and shards the ranks skipped this epoch, summed (one
+    tiny all-reduce on every rank, skipped or not), in metrics.jsonl and on the console."""
+    count = torch.tensor([float(getattr(loader, "skipped", 0))], dtype=torch.float64, device=engine.device)
+    if world > 1:
+        _collectives.all_reduce_sum(count, _collectives.sync_group(None), slot="trainer|skipped samples")
+    total = int(count.item())
+    if total:
+        first = list(getattr(loader, "skip_messages", []))[:3]
+        report.writer.log("data_skipped", step=step, epoch=epoch, count=total, first=first)
+        if engine.is_main:
+            print(f"epoch {epoch + 1}: skipped {total} unreadable sample(s) or shard(s) on all ranks "
+                  f"(data.on_error=skip); first here: {'; '.join(first) or 'on other ranks'}", flush=True)
 
 
 def _synthetic_loaders(cfg: TrainConfig, batch: int) -> tuple[Any, Any]:
