@@ -30,7 +30,6 @@ it collects anything, naming the package.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -94,9 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # shared directory every 30-60 s for as long as both suites ran (its .ninja_log, two
     # command hashes alternating, 2026-11-26 13:40-13:48), holding DeepSpeed launches past
     # their limits (tests/README.md, "Green under load").
-    if sys.prefix != sys.base_prefix:
-        seen_as = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions" / seen_as))
+    from distnorm.integrations.deepspeed import extensions_dir  # the one rule: what a user's DeepSpeed script gets
+
+    if extensions_dir() is not None:
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     if Sybil is None and not GPU_TIER:
         raise pytest.UsageError(
             f"Sybil is not installed for {sys.executable}: the tests run the Python blocks of README.md and "

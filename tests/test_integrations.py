@@ -376,3 +376,20 @@ def test_deepspeed_equals_one_plain_process_with_and_without_plugin(tmp_path, ze
         for r in ranks:
             name, message = r["cbn/plugin"]["drift_error"]
             assert f"{name}: ranks [0] | [1]" in message, message
+
+
+@pytest.mark.processes
+def test_the_deepspeed_integration_builds_deepspeeds_ops_in_its_venv():
+    """A script that imports the DeepSpeed integration (the examples, distnorm-train's workers
+    on every node) builds DeepSpeed's ops in its venv's own directory, not in the cache every
+    venv of the user shares; a ``TORCH_EXTENSIONS_DIR`` the user set wins."""
+    import hashlib
+
+    show = "import os, distnorm.integrations.deepspeed; print(os.environ['TORCH_EXTENSIONS_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    own = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=120)
+    want = Path(sys.prefix) / "torch_extensions" / hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    assert own.returncode == 0 and own.stdout.strip() == str(want), own.stderr[-2000:]
+    mine = subprocess.run([sys.executable, "-c", show], env={**env, "TORCH_EXTENSIONS_DIR": "/tmp/mine"},
+                          capture_output=True, text=True, timeout=120)
+    assert mine.stdout.strip() == "/tmp/mine", mine.stderr[-2000:]

@@ -44,8 +44,11 @@ does not clip. Set it to ``0``, or clip the reference with
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
+import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from torch import nn
@@ -54,12 +57,33 @@ from distnorm._engines import Engine, register_engine
 from distnorm.config import DistNormConfig, add_arguments
 from distnorm.plugin import DistNormPlugin
 
-__all__ = ["prepare", "add_arguments", "client_state", "restore", "ENGINE"]
+__all__ = ["prepare", "add_arguments", "client_state", "restore", "extensions_dir", "ENGINE"]
 
 logger = logging.getLogger(__name__)
 
 #: The key of the plugin's state in DeepSpeed's ``client_state``.
 STATE_KEY = "distnorm"
+
+
+def extensions_dir() -> str | None:
+    """This venv's own directory for the ops DeepSpeed builds on first use (its CPU
+    shared-memory op), or None outside a venv.
+
+    torch puts them in ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``,
+    which every venv of a user shares, so two venvs rebuild the op for each other (about a
+    minute each time). One directory per venv *path as this interpreter sees it*: the build
+    command names the venv's include directories by that path, so two paths to one venv (a
+    symlink) must not share a directory either."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    seen_as = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    return str(Path(sys.prefix) / "torch_extensions" / seen_as)
+
+
+# At import, before DeepSpeed builds anything: every script that uses this integration (the
+# examples, distnorm-train's workers on every node) builds in its venv; a value you set wins.
+if extensions_dir() is not None:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
 
 
 def prepare(model: nn.Module, config: DistNormConfig | argparse.Namespace | None = None) -> DistNormPlugin:
