@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="build the model, engine and plugin, run two steps on a synthetic batch; no data needed")
     parser.add_argument("--dry-run-batch", type=int, default=None, help="per-rank batch of the dry run")
     parser.add_argument("--check", action="store_true",
-                        help="validate the config, engine, data paths, shard sizes and batch split, then exit")
+                        help="validate the config, engine, data paths, shard sizes and batch split, then exit "
+                             "(sizes, not contents: a shard damaged in place needs --verify-checksums)")
     parser.add_argument("--verify-checksums", action="store_true",
                         help="with --check: also compare every local shard's SHA-256 with its index "
                              "(reads every byte: minutes for ImageNet)")
