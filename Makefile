@@ -106,7 +106,7 @@ gpu-deps: $(STAMP)
 
 # The quick start: digits shards, a 2-process CPU run of configs/demo/digits.yaml through
 # launch/torchrun.sh, then plots, then its final top-1 checked against a floor that holds on
-# every machine tried (98.06-98.89 % so far; the figure moves with rounding, not the floor).
+# every machine tried (97.50-99.17 % so far; the figure moves with rounding, not the floor).
 DEMO_DIR ?= runs/demo
 DEMO_MIN_TOP1 ?= 95
 demo: $(STAMP)

@@ -48,12 +48,18 @@ def write_frozen(model: nn.Module, run_dir: Path, image_size: int) -> list[Path]
         images = torch.zeros(2, 3, image_size, image_size, dtype=dtype)
         try:
             torch.onnx.export(frozen, (images,), str(run_dir / ONNX), dynamo=True, input_names=["images"],
-                              output_names=["logits"], dynamic_shapes=({0: torch.export.Dim("batch")},))
+                              output_names=["logits"], dynamic_shapes=({0: torch.export.Dim("batch")},),
+                              external_data=_over_2gb(frozen), verbose=False)  # one file where a protobuf holds it
             written.append(run_dir / ONNX)
         except Exception as err:  # noqa: BLE001 - the exporter's own error: said, and the run's result stands
             logger.warning("distnorm-train: %s not written: torch.onnx.export failed (%s: %s)", ONNX,
                            type(err).__name__, err)
     return written
+
+
+def _over_2gb(model: nn.Module) -> bool:
+    """Whether the weights exceed what one ONNX file (a protobuf) can hold."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) >= 2 ** 31 - 2 ** 26
 
 
 def evaluate_frozen(path: str | Path, loader: Any, device: torch.device) -> dict[str, float]:
