@@ -47,3 +47,8 @@ class NonFiniteStatisticsError(DistNormError, FloatingPointError):
 
 class CollectiveFailedError(DistNormError):
     """A distnorm collective failed (a peer died, timed out or raised); names the layer and phase."""
+
+
+class ConfigurationMismatchError(DistNormError, ValueError):
+    """Ranks, or a checkpoint and this run, hold other distnorm configurations: the message
+    names each key that differs and its values (a ``ValueError`` too: a refused value)."""

@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distnorm import _collectives
 from distnorm._collectives import assert_same_across_ranks
+from distnorm.errors import ConfigurationMismatchError
 from distnorm.settings import differing_keys
 from distnorm._engines import engine_of, engines, fsdp_flat
 from distnorm.config import DistNormConfig
@@ -161,7 +162,8 @@ class DistNormPlugin:
         """Every rank must run the same configuration (checked once the group exists)."""
         if self._config_checked or not _collectives.is_distributed():
             return
-        assert_same_across_ranks(self.config.fingerprint(), "the distnorm configuration", self.group, error=ValueError)
+        assert_same_across_ranks(self.config.fingerprint(), "the distnorm configuration", self.group,
+                                 error=ConfigurationMismatchError)
         self._config_checked = True
 
     def follow(self, source: Any) -> "DistNormPlugin":
@@ -266,8 +268,9 @@ class DistNormPlugin:
         differ = differing_keys(saved.to_dict(), self.config.to_dict())
         if differ:
             listed = "; ".join(f"{key}: {then} in the checkpoint, {now} in this run" for key, (then, now) in differ.items())
-            raise ValueError(f"distnorm: the checkpoint was written with another distnorm configuration ({listed}); "
-                             "resume with the checkpoint's values, or start a new run in another directory")
+            raise ConfigurationMismatchError(
+                f"distnorm: the checkpoint was written with another distnorm configuration ({listed}); "
+                "resume with the checkpoint's values, or start a new run in another directory")
         self.training_forwards = int(state["training_forwards"])
         self._resync = True  # broadcast + verify at the next training forward
 

@@ -477,6 +477,13 @@ def test_a_max_steps_stop_writes_a_checkpoint_there(tmp_path, digits):
     assert f"checkpoint: {run / 'checkpoints' / 'step_000000005'}" in train(5)
     assert _records(run, "resume")[-1]["global_step"] == 3
     assert [r["step"] for r in _records(run, "train")] == [1, 2, 3, 4, 5]
+    # the same directory with another distnorm configuration: refused in one line naming the key
+    other = subprocess.run([sys.executable, "-m", "distnorm.train", "--config", str(DEMO), *_data_overrides(digits),
+                            f"output.dir={run}", "train.max_steps=7", "output.progress=false", "data.num_workers=0",
+                            "distnorm.cbn.rho=2"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert ("distnorm-train: configuration error: distnorm: the checkpoint was written with another distnorm "
+            "configuration (cbn.rho: 1.0 in the checkpoint, 2 in this run)") in other.stderr, other.stderr[-3000:]
 
 
 @pytest.mark.processes

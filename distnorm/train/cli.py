@@ -35,6 +35,7 @@ from typing import Any, Sequence
 # Nothing here imports torch: `--check`, `--help-config`, `--list-configs` and a refused
 # configuration run without it (distnorm.train.checks); the training loop is imported to train.
 from distnorm.data.specs import SKIP_HINT, DataError
+from distnorm.errors import ConfigurationMismatchError
 from distnorm.train.checkpoint import CheckpointManager
 from distnorm.train.checks import SetupMismatchError, check_setup, local_world, missing_module, require_training_modules
 from distnorm.train.config import ConfigError, TrainConfig, describe_config, describe_recipes, load_config
@@ -276,7 +277,7 @@ def _report(err: BaseException, cfg: TrainConfig | None, argv: Sequence[str], *,
         if rank == 0:
             print(line, file=sys.stderr, flush=True)
         return 130  # 128 + SIGINT, as a shell reports a process Ctrl-C stopped
-    if isinstance(err, ConfigError):
+    if isinstance(err, (ConfigError, ConfigurationMismatchError)):  # the latter: a checkpoint of another distnorm config
         message = f"distnorm-train: configuration error: {err}"
         _record_for_launcher(message)
         # Said once: ranks that disagree all raise the same error (rank 0 says it); any other
