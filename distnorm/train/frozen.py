@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from distnorm.data import evaluate
 from distnorm.serving import freeze
 
 __all__ = ["FROZEN", "ONNX", "evaluate_frozen", "write_frozen"]
@@ -65,8 +66,6 @@ def _over_2gb(model: nn.Module) -> bool:
 def evaluate_frozen(path: str | Path, loader: Any, device: torch.device) -> dict[str, float]:
     """Top-1 / top-5 / loss of the frozen model at ``path`` over ``loader``'s batches (an
     :class:`~distnorm.data.EvalLoader`), reduced over the ranks when a process group exists."""
-    from distnorm.data import evaluate
-
     model = torch.load(path, map_location=device, weights_only=False)
     if not isinstance(model, nn.Module):
         raise ValueError(f"--evaluate {path}: the file holds a {type(model).__name__}, not a model "
