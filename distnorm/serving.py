@@ -126,24 +126,30 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+#: Where the hooks come from that a frozen model drops: distnorm's own (BNP's, the plugin's
+#: learning-rate hook) and the training engines' (DeepSpeed's forward hooks on the module it
+#: wraps, ...), whose code a plain model must not need. Other hooks (the model's own, torch's
+#: parametrizations) stay.
+_TRAINING_HOOKS = ("distnorm.", "deepspeed.", "accelerate.", "lightning.", "pytorch_lightning.")
+
+
 def _remove_hooks(model: nn.Module) -> None:
-    """Every hook distnorm registered on ``model``'s modules (BNP's, the plugin's learning-rate
-    hook, ...), whose code a plain model must not need."""
+    """Every hook of :data:`_TRAINING_HOOKS`' libraries on ``model``'s modules."""
     for module in model.modules():
         for attr, hooks in list(vars(module).items()):
             if not attr.endswith("hooks") or not isinstance(hooks, dict):
                 continue
-            for key in [k for k, hook in list(hooks.items()) if _from_distnorm(hook)]:
+            for key in [k for k, hook in list(hooks.items()) if _from_training(hook)]:
                 del hooks[key]
                 for flags in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
                               "_forward_hooks_always_called"):
                     getattr(module, flags, {}).pop(key, None)
 
 
-def _from_distnorm(hook: Any) -> bool:
+def _from_training(hook: Any) -> bool:
     target = getattr(hook, "func", hook)  # a functools.partial
     module = getattr(target, "__module__", None) or type(target).__module__
-    return isinstance(module, str) and module.startswith("distnorm.")
+    return isinstance(module, str) and module.startswith(_TRAINING_HOOKS)
 
 
 def _remove_bnp(model: nn.Module) -> list[str]:

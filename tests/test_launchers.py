@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import digits_overrides, free_port
 from tests.system import need
@@ -103,6 +104,9 @@ def test_deepspeed_sh_one_host_hostfile_runs_two_cpu_ranks(digits, tmp_path):
     manifest = _manifest(run)
     assert manifest["state"]["world_size"] == 2 and len(_losses(run)) == 4
     assert any("zero_pp_rank_1" in f for f in manifest["files"])  # rank 1's ZeRO shard: a real second rank
+    # the trained model as plain torch.nn, from the module DeepSpeed trained (its own hooks left behind)
+    frozen = torch.load(run / "model-frozen.pt", weights_only=False)
+    assert not any(type(m).__module__.startswith(("distnorm.layers", "deepspeed")) for m in frozen.modules())
 
 
 _SHARDS = "data.train_shards=d/train-{000000..000005}.tar"

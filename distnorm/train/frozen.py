@@ -43,7 +43,13 @@ def write_frozen(model: nn.Module, run_dir: Path, image_size: int) -> list[Path]
         logger.warning("distnorm-train: %s not written: %s", FROZEN, err)
         return []
     written = [run_dir / FROZEN]
-    torch.save(frozen, written[0])
+    try:
+        torch.save(frozen, written[0])
+    except Exception as err:  # noqa: BLE001 - whatever cannot be pickled: said, and the run's result stands
+        written[0].unlink(missing_ok=True)
+        logger.warning("distnorm-train: %s not written: the frozen model does not pickle (%s: %s)", FROZEN,
+                       type(err).__name__, err)
+        return []
     if importlib.util.find_spec("onnx") is not None and importlib.util.find_spec("onnxscript") is not None:
         dtype = next(frozen.parameters()).dtype
         images = torch.zeros(2, 3, image_size, image_size, dtype=dtype)
