@@ -2,14 +2,14 @@
 implementation a call runs.
 
 Each of these operators (``distnorm::cbn_plan``, ``distnorm::backward_sums``,
-``distnorm::bnp_precondition``, declared in :mod:`distnorm._ops`) has three implementations: the ATen composite
-(:mod:`distnorm._composite`, the reference, on every device), one Triton kernel
-(:mod:`distnorm._triton`, CUDA) and one C kernel (:mod:`distnorm._cpu_kernels`, the CPU),
-the last two for the cases they take -- float32 accumulation, buffers of that dtype, a host
-count only when the batch is valid (the transform: the dtypes each kernel reads). Each is registered under its dispatch key
-(:mod:`distnorm._ops`): the composite for every device, the CPU's and CUDA's own
-implementations under ``CPU`` and ``CUDA``, each checking the cases it takes. The
-operator's last argument names the one the layer's group agreed on
+``distnorm::bnp_precondition``, declared in :mod:`distnorm._ops`) has three implementations:
+the ATen composite (:mod:`distnorm._composite`, the reference, on every device), one Triton
+kernel (:mod:`distnorm._triton`, CUDA) and one C kernel (:mod:`distnorm._cpu_kernels`, the
+CPU), the last two for the cases they take -- float32 accumulation, buffers of that dtype, a
+host count only when the batch is valid (the transform: the dtypes each kernel reads). Each is
+registered under its dispatch key (:mod:`distnorm._ops`): the composite for every device, the
+CPU's and CUDA's own implementations under ``CPU`` and ``CUDA``, each checking the cases it
+takes. The operator's last argument names the one the layer's group agreed on
 (:mod:`distnorm._kernel_choice`): the three are not bit-identical (``rsqrt`` / division
 rounding and FMA contraction differ by a few ulp), so every rank of a group runs the same one.
 A case a kernel does not take runs the composite, on every rank alike (the case reads
