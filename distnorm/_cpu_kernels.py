@@ -57,10 +57,8 @@ its first use.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
-import math
 import os
 import shutil
 import subprocess
@@ -71,8 +69,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["SOURCE", "backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats", "bnp_precondition",
-           "cbn_plan", "check_precondition_arguments", "cpu_kernel_enabled", "library", "memory_format"]
+__all__ = ["CPP_SOURCE", "SOURCE", "check_precondition_arguments", "cpu_kernel_enabled", "library", "memory_format"]
 
 SOURCE = r"""
 #include <math.h>
@@ -302,18 +299,9 @@ PRECONDITION(bnp_precondition_f32, float)
 PRECONDITION(bnp_precondition_f64, double)
 """
 
-_FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
-_FUNCTIONS = {torch.float32: "elemt_f32", torch.float64: "elemt_f64", torch.bfloat16: "elemt_bf16",
-              torch.float16: "elemt_f16"}
-_PRECONDITION = {torch.float32: "bnp_precondition_f32", torch.float64: "bnp_precondition_f64"}
-_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-#: The argument types of the kernels called once per layer step (the signatures in SOURCE).
-_ARGTYPES = {
-    **{name: [_P] * 8 + [_I64] * 4 + [_INT, _P] for name in _FUNCTIONS.values()},
-    "stats_f32": [_P] * 3 + [_I64] * 3 + [_INT],
-    "cbn_plan_f32": [_P] * 18 + [_I64, _F32, _F32, _F32, _INT, _F32, _F32, _INT, _F32, _F32],
-    "backward_sums_f32": [_P] * 10 + [_I64, _F32],
-}
+_FLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+#: The C++ operators around the C kernels, registered under the CPU dispatch key.
+CPP_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 
 
 def cpu_kernel_enabled() -> bool:
@@ -329,176 +317,70 @@ def _cache_dir() -> Path:
 
 def _failure(why: str) -> RuntimeError:
     return RuntimeError(
-        f"distnorm: the CPU kernel of the backward's element-wise pass cannot be built: {why}. Install a C "
-        "compiler (gcc or clang; set CC to choose one), or set DISTNORM_CPU_KERNEL=0 on every rank to run ATen's "
-        "two passes instead (the same maths, rounded twice).")
+        f"distnorm: the CPU kernel of the backward's element-wise pass cannot be built: {why}. Install a C and "
+        "C++ compiler (gcc / g++ or clang; set CC and CXX to choose them), or set DISTNORM_CPU_KERNEL=0 on every "
+        "rank to run ATen's two passes instead (the same maths, rounded twice).")
 
 
-def _build(compiler: str, target: Path) -> None:
-    """Compile :data:`SOURCE` into ``target`` (atomically: concurrent processes may race)."""
+def _compilers() -> tuple[str, str]:
+    """The C and C++ compilers (``$CC``, default ``cc``; ``$CXX``, default ``c++``)."""
+    found = []
+    for variable, default, language in (("CC", "cc", "C"), ("CXX", "c++", "C++")):
+        compiler = shutil.which(os.environ.get(variable, default))
+        if compiler is None:
+            raise _failure(f"no {language} compiler ({os.environ.get(variable, default)!r} is not on PATH)")
+        found.append(compiler)
+    return found[0], found[1]
+
+
+def _torch_flags() -> list[str]:
+    """What a C++ file needs to include torch's headers and link against the torch this process
+    imported (the paths, C++ standard and ABI of ``torch.utils.cpp_extension``, which is not
+    imported: it looks for CUDA at import)."""
+    root = Path(torch.__file__).parent
+    return ["-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{root / 'include'}", f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}"]
+
+
+def _run(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise _failure(f"{command[0]} failed (exit status {done.returncode})" + (
+            f":\n{done.stderr.strip()[-2000:]}\n" if done.stderr.strip() else ""))
+
+
+def _build(cc: str, cxx: str, target: Path) -> None:
+    """Compile :data:`SOURCE` (C) and :data:`CPP_SOURCE` (C++) into the shared library
+    ``target`` (atomically: concurrent processes may race)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, lib = Path(tmp) / "elemt.c", Path(tmp) / target.name
+        src, kernels, lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.o", Path(tmp) / target.name
         src.write_text(SOURCE)
-        done = subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib)], capture_output=True, text=True)
-        if done.returncode != 0:
-            raise _failure(f"{compiler} failed (exit status {done.returncode})" + (
-                f":\n{done.stderr.strip()[-2000:]}\n" if done.stderr.strip() else ""))
+        _run([cc, *_FLAGS, "-c", str(src), "-o", str(kernels)])
+        _run([cxx, *_FLAGS, "-shared", str(CPP_SOURCE), str(kernels), "-o", str(lib), *_torch_flags(),
+              "-lc10", "-ltorch_cpu"])
         os.replace(lib, target)
 
 
 @functools.cache
-def library() -> ctypes.CDLL:
-    """The compiled kernel, built at the first call of this machine and loaded once per process."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise _failure(f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH)")
-    key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, compiler, sys.platform]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"elemt-{key}.so"
+def library() -> Path:
+    """Build this machine's kernels at their first call, load them into this process once
+    (their C++ operators then take the CPU dispatch key of distnorm's operators:
+    :mod:`distnorm._ops`), and return the library's path. Raises, naming the fix, where they
+    cannot be built."""
+    cc, cxx = _compilers()
+    key = hashlib.sha256("\0".join([SOURCE, CPP_SOURCE.read_text(), *_FLAGS, cc, cxx, sys.platform,
+                                     torch.__version__, torch.__file__]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu-ops-{key}.so"
     if not target.exists():
         try:
-            _build(compiler, target)
+            _build(cc, cxx, target)
         except OSError:  # an unwritable cache: this process's own temporary directory
             target = Path(tempfile.gettempdir()) / f"distnorm-{os.getuid()}" / target.name
             if not target.exists():
-                _build(compiler, target)
-    lib = ctypes.CDLL(str(target))
-    for name in [*_FUNCTIONS.values(), "stats_f32", "cbn_plan_f32", "backward_sums_f32", *_PRECONDITION.values()]:
-        getattr(lib, name).restype = None
-    # Declared argument types: ctypes then converts a call's Python ints (data pointers) and
-    # floats in C, where building a c_void_p object per argument costs a step microseconds.
-    for name, types in _ARGTYPES.items():
-        getattr(lib, name).argtypes = types
-    return lib
-
-
-def _dense_inner(x: Tensor) -> int | None:
-    """The channel stride of ``x`` when it is dense with channels either innermost (1) or
-    outermost after the batch (``prod(shape[2:])``), else None."""
-    if x.is_contiguous():
-        return math.prod(x.shape[2:])
-    if (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)) or (
-            x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)):
-        return 1
-    return None
-
-
-def batch_norm_backward_elemt(grad_out: Tensor, x: Tensor, mean: Tensor, invstd: Tensor, weight: Tensor | None,
-                              sum_dy: Tensor, sum_dy_xmu: Tensor, count: Tensor) -> Tensor:
-    """The CPU kernel of ``distnorm::batch_norm_backward_elemt`` (the module docstring's
-    formula; ATen's CUDA kernel's arguments: per-channel tensors of the accumulation dtype,
-    ``count`` an int32 tensor whose sum is ``n``). Inputs of other layouts are made dense
-    first, in the gradient's memory format."""
-    if _dense_inner(x) is None or x.stride() != grad_out.stride():
-        layout = memory_format(grad_out)
-        x, grad_out = x.contiguous(memory_format=layout), grad_out.contiguous(memory_format=layout)
-    inner = _dense_inner(x)
-    assert inner is not None and x.stride() == grad_out.stride(), (x.stride(), grad_out.stride())
-    channels = x.shape[1]
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if weight is None:
-        weight = torch.ones(channels, dtype=acc)
-    # Held by a name for the call (a temporary copy would be freed before the kernel reads it);
-    # the distnorm path hands them in the accumulation dtype, contiguous: no copy then.
-    vectors = [v if v.dtype == acc and v.is_contiguous() else v.to(acc).contiguous()
-               for v in (mean, invstd, weight, sum_dy, sum_dy_xmu)]
-    out = torch.empty_like(x)
-    coef = torch.empty(3 * channels, dtype=acc)
-    total = int(count.sum()) if count.numel() > 1 else int(count)  # a CPU tensor: no device synchronisation
-    mean_, invstd_, weight_, sum_dy_, sum_dy_xmu_ = vectors
-    getattr(library(), _FUNCTIONS[x.dtype])(
-        grad_out.data_ptr(), x.data_ptr(), out.data_ptr(), mean_.data_ptr(), invstd_.data_ptr(), weight_.data_ptr(),
-        sum_dy_.data_ptr(), sum_dy_xmu_.data_ptr(), total, channels, inner, x.numel(), torch.get_num_threads(),
-        coef.data_ptr())
-    return out
-
-
-def batch_norm_update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
-                            momentum: float) -> tuple[Tensor, Tensor]:
-    """The CPU kernel of ``distnorm::batch_norm_update_stats`` (ATen's schema): per-channel mean
-    and biased variance. A contiguous float32 input of more than one value per sample and
-    channel, without running buffers, takes :data:`SOURCE`'s ``stats_f32`` (ATen's arithmetic,
-    partial sums in a fixed order; about 4x faster than ATen's single running sum); every other
-    call is ATen's own ``batch_norm_update_stats``, whose CPU code for those layouts differs."""
-    channels = x.shape[1] if x.dim() > 1 else 0
-    inner = math.prod(x.shape[2:])
-    if (x.dtype != torch.float32 or running_mean is not None or running_var is not None or not x.is_contiguous()
-            or inner <= 1 or x.numel() == 0):
-        return torch.ops.aten.batch_norm_update_stats(x, running_mean, running_var, momentum)
-    mean, var = torch.empty(channels), torch.empty(channels)
-    library().stats_f32(x.data_ptr(), mean.data_ptr(), var.data_ptr(), channels, inner, x.numel(),
-                        torch.get_num_threads())
-    return mean, var
-
-
-def cbn_plan(mean: Tensor, var: Tensor, count: Tensor | None, weight: Tensor, bias: Tensor, eta: Tensor | None,
-             buffers: list[Tensor], host_count: int, hyper: list[float], momentum: float | None) -> tuple[Tensor, ...]:
-    """The CPU kernel of ``distnorm::cbn_plan`` (the arguments and the maths of
-    :func:`distnorm._composite.cbn_plan_composite`) for float32 statistics and buffers on the CPU:
-    :data:`SOURCE`'s ``cbn_plan_f32``, one loop over the channels where the composite makes
-    some thirty ATen calls. A host count must be valid (``> 1``), as for the Triton kernel."""
-    count = count.contiguous() if count is not None else None  # its validity mask is the kernel's own (count > 1)
-    weight, bias, eta = (p if p is None or (p.dtype == torch.float32 and p.is_contiguous())
-                         else p.to(torch.float32).contiguous() for p in (weight, bias, eta))
-    eps, rho, r_max = hyper
-    channels = mean.shape[0]
-    # Six allocations, not one workspace and views of it: on the CPU a view costs what an
-    # allocation does (docs/reference/benchmarks.md, the CPU proxy).
-    center, var_u, invstd, a, beta_coef = (torch.empty(channels) for _ in range(5))
-    grad_coef = torch.empty(2, 2, channels)
-    # Held by a name for the call: a temporary .contiguous() copy is freed with the expression
-    # that took its pointer, before the kernel reads it.
-    dense = [mean.contiguous(), var.contiguous(), count, weight, bias, eta, *buffers]
-    library().cbn_plan_f32(
-        *[t.data_ptr() if t is not None else None for t in (*dense, center, var_u, invstd, a, grad_coef, beta_coef)],
-        channels, max(host_count, 1), host_count / max(host_count - 1, 1), eps, momentum is None,
-        0.0 if momentum is None else momentum, 1.0 / rho, rho != 1.0, 1.0 / r_max, r_max)
-    return center, var_u, invstd, a, grad_coef, beta_coef
-
-
-def backward_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
-                  inv_rho: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The CPU kernel of ``distnorm::backward_sums`` (float32;
-    :func:`distnorm._composite.backward_sums_composite`)."""
-    channels = s1.shape[0]
-    sums = torch.empty(2, channels)
-    grad_weight, grad_bias, w = (torch.empty(channels) for _ in range(3))
-    count = torch.empty(1, dtype=torch.int32)
-    # Held by a name for the call (cbn_plan: a temporary copy would be freed before the kernel reads it).
-    dense = [v.contiguous() for v in (s1, t, beta_coef, grad_scale, grad_coef)]
-    library().backward_sums_f32(*[v.data_ptr() for v in (*dense, sums, grad_weight, grad_bias, w, count)],
-                                channels, inv_rho)
-    return sums, grad_weight, grad_bias, w, count
-
-
-def bnp_precondition(grad_weight: Tensor, grad_bias: Tensor | None, mean: Tensor, var_t: Tensor, q2: float,
-                     groups: int) -> tuple[Tensor, Tensor]:
-    """The CPU kernel of ``distnorm::bnp_precondition``: BNP's gradient transform
-    (:func:`distnorm._composite.bnp_precondition`, its arguments) for a float32 or float64
-    gradient, in one pass that reads ``grad_weight`` and writes its transform, where ATen's
-    calls make five weight-sized passes. Without a bias the second result is empty. The
-    kernel reads raw pointers: arguments that do not fit raise first
-    (:func:`check_precondition_arguments`), as ATen's calls would."""
-    check_precondition_arguments(grad_weight, grad_bias, mean, var_t, groups)
-    dtype = grad_weight.dtype
-    out_channels, in_channels = grad_weight.shape[0], mean.numel()
-    kernel = math.prod(grad_weight.shape[2:])
-    if dtype not in _PRECONDITION:
-        raise TypeError(f"distnorm::bnp_precondition: a float32 or float64 weight gradient, not {dtype}")
-    # Held by a name for the call (cbn_plan: a temporary copy would be freed before the kernel reads it).
-    gw = grad_weight.contiguous()
-    gb = grad_bias.to(dtype).contiguous() if grad_bias is not None else None
-    mu, vt = mean.to(dtype).contiguous(), var_t.to(dtype).contiguous()
-    out_w = torch.empty_like(gw)
-    out_b = torch.empty(out_channels if gb is not None else 0, dtype=dtype)
-    table = torch.empty(2 * in_channels * kernel, dtype=dtype)
-    scalar = ctypes.c_float if dtype == torch.float32 else ctypes.c_double
-    pointer = lambda t: ctypes.c_void_p(t.data_ptr() if t is not None else None)  # noqa: E731
-    getattr(library(), _PRECONDITION[dtype])(
-        pointer(gw), pointer(gb), pointer(mu), pointer(vt), scalar(q2), pointer(out_w), pointer(out_b), pointer(table),
-        ctypes.c_int64(out_channels), ctypes.c_int64(in_channels), ctypes.c_int64(gw.shape[1]), ctypes.c_int64(kernel),
-        ctypes.c_int64(groups), ctypes.c_int(torch.get_num_threads()))
-    return out_w, out_b
+                _build(cc, cxx, target)
+    torch.ops.load_library(str(target))
+    return target
 
 
 def memory_format(t: Tensor) -> torch.memory_format:

@@ -187,15 +187,12 @@ def _triton_plan(mean: Tensor, var: Tensor, count: Optional[Tensor], weight: Ten
 def cbn_plan_cpu(mean: Tensor, var: Tensor, count: Optional[Tensor], valid: Optional[Tensor], weight: Tensor,
                  bias: Tensor, eta: Optional[Tensor], buffers: list[Tensor], host_count: int, hyper: list[float],
                  momentum: Optional[float], amat_ready: bool, kernel: str) -> tuple[Tensor, ...]:
-    """``distnorm::cbn_plan`` on the CPU: the C kernel of :mod:`distnorm._cpu_kernels` where the
-    group agreed on it (``kernel="cpu"``) and it takes the case (the Triton kernel's cases,
-    and buffers of the layer's own dtypes); the Triton kernel in Triton's interpreter where
-    the group agreed on that (``DISTNORM_TRITON=interpret``); else the composite."""
-    if kernel != "composite" and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count):
-        if kernel == "cpu" and buffers[2].dtype == torch.bool and buffers[5].dtype == torch.int64:
-            return _cpu_kernels.cbn_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
-        if kernel == "triton":
-            return _triton_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
+    """``distnorm::cbn_plan`` on the CPU in Python: the Triton kernel in Triton's interpreter
+    where the group agreed on it (``DISTNORM_TRITON=interpret``) and it takes the case, else
+    the composite. The C kernel (``kernel="cpu"``) is C++'s: :mod:`distnorm._ops` says how
+    the CPU key passes to it, and it calls this function for the cases it does not take."""
+    if kernel == "triton" and _triton_takes_plan(mean, var, count, (weight, bias, eta), buffers, host_count):
+        return _triton_plan(mean, var, count, weight, bias, eta, buffers, host_count, hyper, momentum)
     return cbn_plan(mean, var, count, valid, weight, bias, eta, buffers, host_count, hyper, momentum, amat_ready,
                     kernel)
 
@@ -227,14 +224,11 @@ def _triton_sums(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, g
 
 def backward_sums_cpu(s1: Tensor, t: Tensor, beta_coef: Tensor, grad_scale: Tensor, grad_coef: Tensor,
                       inv_rho: float, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``distnorm::backward_sums`` on the CPU: the C kernel (``kernel="cpu"``) or the Triton
-    kernel in Triton's interpreter (``kernel="triton"``) for float32 sums on one device, else
-    the composite."""
-    if kernel != "composite" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
-        if kernel == "cpu":
-            return _cpu_kernels.backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
-        if kernel == "triton":
-            return _triton_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
+    """``distnorm::backward_sums`` on the CPU in Python: the Triton kernel in Triton's
+    interpreter (``kernel="triton"``) for float32 sums on one device, else the composite (the
+    C kernel: as for :func:`cbn_plan_cpu`)."""
+    if kernel == "triton" and s1.dtype == torch.float32 and _on_one_device(s1, t, beta_coef, grad_scale, grad_coef):
+        return _triton_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho)
     return backward_sums(s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel)
 
 
@@ -278,11 +272,9 @@ def bnp_precondition_cuda(grad_weight: Tensor, grad_bias: Optional[Tensor], mean
 
 def bnp_precondition_cpu(grad_weight: Tensor, grad_bias: Optional[Tensor], mean: Tensor, var_t: Tensor, q2: Tensor,
                          groups: int, kernel: str) -> tuple[Tensor, Tensor]:
-    """``distnorm::bnp_precondition`` on the CPU: the C kernel (``kernel="cpu"``) for a float32
-    or float64 gradient, the Triton kernel in Triton's interpreter (``kernel="triton"``) for
-    the cases it takes, else the composite."""
-    if kernel == "cpu" and grad_weight.dtype in (torch.float32, torch.float64) and q2.device.type == "cpu":
-        return _cpu_kernels.bnp_precondition(grad_weight, grad_bias, mean, var_t, float(q2), groups)
+    """``distnorm::bnp_precondition`` on the CPU in Python: the Triton kernel in Triton's
+    interpreter (``kernel="triton"``) for the cases it takes, else the composite (the C kernel,
+    for a float32 or float64 gradient: as for :func:`cbn_plan_cpu`)."""
     if kernel == "triton" and _triton_takes_transform(grad_weight, grad_bias, mean, var_t, q2):
         return _triton_transform(grad_weight, grad_bias, mean, var_t, q2, groups)
     return bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups, kernel)

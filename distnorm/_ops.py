@@ -71,9 +71,7 @@ def _backward_sums_fake(s1: Tensor, *_: Any) -> tuple[Tensor, Tensor, Tensor, Te
 _define("cbn_plan", _kernels.cbn_plan, _cbn_plan_fake, mutates=("buffers",))
 _define("backward_sums", _kernels.backward_sums, _backward_sums_fake)
 # Each device's own kernels under its dispatch key (the composite above serves every other).
-_LIB.impl("cbn_plan", _kernels.cbn_plan_cpu, "CPU")
 _LIB.impl("cbn_plan", _kernels.cbn_plan_cuda, "CUDA")
-_LIB.impl("backward_sums", _kernels.backward_sums_cpu, "CPU")
 _LIB.impl("backward_sums", _kernels.backward_sums_cuda, "CUDA")
 
 
@@ -99,7 +97,6 @@ def _batch_norm_backward_elemt_fake(grad_out: Tensor, x: Tensor, *_: Any) -> Ten
 
 _LIB.define("batch_norm_backward_elemt(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
             "Tensor sum_dy, Tensor sum_dy_xmu, Tensor count) -> Tensor")
-_LIB.impl("batch_norm_backward_elemt", _cpu_kernels.batch_norm_backward_elemt, "CPU")
 torch.library.register_fake("distnorm::batch_norm_backward_elemt", _batch_norm_backward_elemt_fake, lib=_LIB)
 
 
@@ -112,7 +109,6 @@ def _batch_norm_update_stats_fake(x: Tensor, running_mean: Optional[Tensor], *_:
 
 _LIB.define("batch_norm_update_stats(Tensor input, Tensor? running_mean, Tensor? running_var, float momentum) "
             "-> (Tensor, Tensor)")
-_LIB.impl("batch_norm_update_stats", _cpu_kernels.batch_norm_update_stats, "CPU")
 torch.library.register_fake("distnorm::batch_norm_update_stats", _batch_norm_update_stats_fake, lib=_LIB)
 
 
@@ -125,8 +121,40 @@ def _bnp_precondition_fake(grad_weight: Tensor, grad_bias: Optional[Tensor], *_:
 
 
 _define("bnp_precondition", _kernels.bnp_precondition, _bnp_precondition_fake)
-_LIB.impl("bnp_precondition", _kernels.bnp_precondition_cpu, "CPU")
 _LIB.impl("bnp_precondition", _kernels.bnp_precondition_cuda, "CUDA")
+
+
+# The CPU. Its kernels are C++ (distnorm/csrc/cpu_ops.cpp around the C loops of
+# distnorm._cpu_kernels), built at the first step that asks for them and registered under the
+# CPU key when they load, so a call goes from the dispatcher to the loop with no Python between.
+# Until then the CPU key holds a Python function that loads them (the first call that names
+# the C kernel, kernel="cpu", or the two operators with ATen's schemas, which only the C
+# kernels implement) and calls the operator again; every other case runs the Python
+# implementation of the CPU (distnorm._kernels: the composite, or Triton's interpreter).
+# That implementation is also declared as the private operator distnorm::_<name>_cpu, which
+# the C++ kernels call for the cases they do not take.
+def _until_loaded(name: str, python_cpu: Optional[Callable]) -> Callable:
+    op = getattr(torch.ops.distnorm, name).default
+
+    def first_call(*args: Any) -> Any:
+        if python_cpu is not None and args[-1] != "cpu":
+            return python_cpu(*args)
+        if _cpu_kernels.library.cache_info().currsize:  # loaded, yet this function still holds the key
+            raise RuntimeError(f"distnorm::{name}: distnorm's C++ CPU kernels loaded but did not register")
+        _cpu_kernels.library()
+        return op(*args)
+
+    return first_call
+
+
+for _name, _python_cpu in (("cbn_plan", _kernels.cbn_plan_cpu), ("backward_sums", _kernels.backward_sums_cpu),
+                           ("bnp_precondition", _kernels.bnp_precondition_cpu),
+                           ("batch_norm_backward_elemt", None), ("batch_norm_update_stats", None)):
+    _LIB.impl(_name, _until_loaded(_name, _python_cpu), "CPU")
+    if _python_cpu is not None:
+        _LIB.define(str(getattr(torch.ops.distnorm, _name).default._schema).replace(
+            f"distnorm::{_name}", f"_{_name}_cpu", 1))
+        _LIB.impl(f"_{_name}_cpu", _python_cpu, "CPU")
 
 
 # The operators' one overload each: what the package calls (no overload resolution per call).

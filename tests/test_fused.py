@@ -18,7 +18,7 @@ import contextlib
 import importlib
 import importlib.util
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -157,20 +157,31 @@ def test_triton_plan_kernel_equals_composite(interpreted, case):
 def test_cpu_plan_kernel_equals_composite(case):
     """The C kernel of ``distnorm::cbn_plan`` (:mod:`distnorm._cpu_kernels`, what synchronized
     CPU layers run once their group agreed) against the composite, case by case: the kernel
-    runs (not the composite), with the same formulas (outputs and buffer updates), every
+    runs (the operator dispatches no arithmetic, only allocations and its arguments' dtype
+    conversions, where the composite makes some seventy ATen calls), with the same formulas (outputs and buffer updates), every
     counter and flag updated, and no write from a masked step."""
     args = _plan_args(**CASES[case])
     composite_args, kernel_args = _clone(args), _clone(args)
     want = _composite.cbn_plan_composite(*composite_args)
-    calls = []
-    original = _cpu_kernels.cbn_plan
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_cpu_kernels, "cbn_plan", lambda *a: calls.append(1) or original(*a))
-        got = torch.ops.distnorm.cbn_plan(*_op_args(kernel_args, "cpu"))
-    assert calls, "the composite ran, not the C kernel"
+    torch.ops.distnorm.cbn_plan(*_op_args(_clone(args), "cpu"))  # the C++ kernels loaded before the count
+    got, dispatched = _dispatched(lambda: torch.ops.distnorm.cbn_plan(*_op_args(kernel_args, "cpu")))
+    assert set(dispatched) - _ALLOCATIONS == {"distnorm::cbn_plan"}, dispatched
     _assert_close(list(got) + kernel_args[BUFFERS], list(want) + composite_args[BUFFERS])
     if CASES[case].get("masked"):  # an all-empty global batch changes no buffer
         _assert_close(kernel_args[BUFFERS], args[BUFFERS])
+
+
+#: What a C kernel's operator dispatches besides the kernel: its outputs and dense float32 copies.
+_ALLOCATIONS = {"aten::empty", "aten::to", "aten::_to_copy", "aten::empty_strided", "aten::copy_", "aten::contiguous",
+                "aten::clone", "aten::empty_like"}
+
+
+def _dispatched(call: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``call()``'s result and the operators it dispatched, nested calls included (the
+    profiler's record of every dispatcher call, C++ kernels' calls too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        result = call()
+    return result, [event.name for event in profiler.events()]
 
 
 def _backward_args(device: str = "cpu") -> tuple:
