@@ -1536,9 +1536,10 @@ def run_mutant(m: Mutant, files: list[str], work: Path, timeout: float) -> Resul
     make_copy(files, copy)
     target = copy / m.path
     target.write_text(target.read_text().replace(m.original, m.replacement, 1))
-    module = _module_name(m.path)
-    if m.path.startswith("distnorm/"):
-        problem = imported_from_copy(copy, module, _changed_lines(m)[1])
+    if m.path.startswith("distnorm/") and m.path.endswith(".py"):
+        problem = imported_from_copy(copy, _module_name(m.path), _changed_lines(m)[1])
+    elif m.path.startswith("distnorm/"):  # a source the package builds (csrc): the package from the copy
+        problem = imported_from_copy(copy, "distnorm", None)
     else:
         problem = None
         try:
