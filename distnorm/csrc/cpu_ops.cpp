@@ -93,6 +93,17 @@ int64_t dense_inner(const Tensor& x) {
   return -1;
 }
 
+// ATen's grain, at::internal::GRAIN_SIZE (ATen/TensorIterator.h): the values its own CPU
+// kernels give each thread at least.
+constexpr int64_t kGrain = 32768;
+
+// The OpenMP threads of a kernel's parallel loop over `numel` values: one below ATen's grain,
+// where waking a team costs more than the loop. Every loop splits independent rows or
+// channels, so the bits do not depend on the count.
+int threads_for(int64_t numel) {
+  return numel < kGrain ? 1 : at::get_num_threads();
+}
+
 bool on_device_of(const Tensor& first, const OptTensor& t) {
   return !t.has_value() || !t->defined() || t->device() == first.device();
 }
@@ -121,8 +132,8 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
   Tensor out = at::empty_like(x);
   Tensor coef = at::empty({3 * channels}, at::TensorOptions().dtype(acc));
   const int64_t total = count.numel() > 1 ? count.sum().item<int64_t>() : count.item<int64_t>();
-  const int threads = at::get_num_threads();
   const int64_t numel = x.numel();
+  const int threads = threads_for(numel);
   switch (x.scalar_type()) {
     case at::kFloat:
       elemt_f32(ptr<float>(grad_out), ptr<float>(x), ptr<float>(out), ptr<float>(mean_), ptr<float>(invstd_),
@@ -163,7 +174,7 @@ std::tuple<Tensor, Tensor> batch_norm_update_stats(const Tensor& x, const OptTen
     return at::batch_norm_update_stats(x, running_mean, running_var, momentum);
   Tensor mean = at::empty({channels}, at::TensorOptions().dtype(at::kFloat));
   Tensor var = at::empty({channels}, at::TensorOptions().dtype(at::kFloat));
-  stats_f32(ptr<float>(x), ptr<float>(mean), ptr<float>(var), channels, inner, x.numel(), at::get_num_threads());
+  stats_f32(ptr<float>(x), ptr<float>(mean), ptr<float>(var), channels, inner, x.numel(), threads_for(x.numel()));
   return {mean, var};
 }
 
@@ -298,7 +309,7 @@ TransformResult bnp_precondition(const Tensor& grad_weight, const OptTensor& gra
   Tensor out_w = at::empty_like(gw);
   Tensor out_b = at::empty({has_bias ? out_channels : 0}, options);
   Tensor table = at::empty({2 * in_channels * kernel_size}, options);
-  const int threads = at::get_num_threads();
+  const int threads = threads_for(gw.numel());
   const double q2_value = q2.item<double>();
   if (dtype == at::kFloat) {
     bnp_precondition_f32(ptr<float>(gw), has_bias ? ptr<float>(gb) : nullptr, ptr<float>(mu), ptr<float>(vt),
