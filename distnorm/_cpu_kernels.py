@@ -38,18 +38,25 @@ except where a double sum's last bits decide a float rounding (not seen in the t
 Every loop fixes its order of operations in the source, so the versions compiled for each
 vector width (``target_clones``: AVX-512, AVX2, baseline) give the same bits.
 
-Build: ``$CC`` (default ``cc``) with ``-O3 -fopenmp``, into ``$DISTNORM_CACHE_DIR`` (default
-``~/.cache/distnorm``), named by a hash of the source, the flags and the compiler: a second or
-two, once; a process then loads it with :mod:`ctypes` (about a millisecond). OpenMP's
-runtime is the one torch already loaded (``libgomp.so.1``), with ``torch.get_num_threads()``
-threads.
+Build: :data:`SOURCE` with ``$CC`` (default ``cc``) and ``-O3 -fopenmp``, linked with the
+operators around it, :data:`CPP_SOURCE` (``distnorm/csrc/cpu_ops.cpp``, compiled by ``$CXX``,
+default ``c++``, against the headers of the torch this process imported), into one library
+under ``$DISTNORM_CACHE_DIR`` (default ``~/.cache/distnorm``) named by a hash of the sources, the
+flags, the compilers and the torch: about 25 s once per machine and torch (the C++ file reads
+torch's headers), then each process loads it with ``torch.ops.load_library`` (a few
+milliseconds). Loaded, its C++ operators take the CPU dispatch key of distnorm's operators
+(:mod:`distnorm._ops`), so a call goes from the dispatcher to the loop with no Python between:
+where the kernels' Python wrappers behind the dispatcher cost a CBN step about 150 µs on the
+CPU proxy (``docs/reference/benchmarks.md``). OpenMP's runtime is the one torch already loaded
+(``libgomp.so.1``), with ``torch.get_num_threads()`` threads from ATen's grain (32,768 values)
+up, one below it.
 
 ``DISTNORM_CPU_KERNEL``: ``1`` (default) these kernels; ``0`` ATen's two passes for the
 backward and ATen's statistics (the same maths, rounded otherwise: use it on every rank or
 none). Which kernels a synchronized layer runs is agreed by its group at the group's first
 step (:func:`distnorm._kernel_choice.cpu_kernel_decision`): every rank builds or loads the C kernels
 for its vote before using them, and that step's statistics are ATen's on every rank. A rank
-without a C compiler, or whose build fails, is named by every rank, which all raise at that
+without a C or C++ compiler, or whose build fails, is named by every rank, which all raise at that
 collective — never a wait for the timeout, never a quiet fallback to other arithmetic on
 some ranks. A layer without a group reads the setting at each call and builds the kernels at
 its first use.

@@ -288,7 +288,7 @@ def triton_decision(group: ProcessGroup | None, device: torch.device, votes: Opt
         listing = "\n".join(f"  rank {r}: {t}" for r, t in zip(_collectives.group_ranks(group), texts) if t != "ok")
         raise RuntimeError(
             f"distnorm: the CPU kernels (distnorm._cpu_kernels) cannot be built on {cpu_kernel_failed} of the {size} "
-            f"ranks of the group:\n{listing}\nInstall a C compiler there (gcc or clang; CC chooses one), or set "
+            f"ranks of the group:\n{listing}\nInstall a C and C++ compiler there (gcc / g++ or clang; CC and CXX choose them), or set "
             "DISTNORM_CPU_KERNEL=0 on every rank to run ATen's kernels instead.")
     if device.type == "cpu":
         _CPU_KERNEL_AGREED[group] = cpu_kernel_off == 0
