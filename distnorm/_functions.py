@@ -428,8 +428,9 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
     # The statistics depend on every rank's samples, so the input gradient needs the global
     # sums. Parameter gradients do not: they stay local and the data-parallel engine
     # averages them, exactly as for torch.nn.SyncBatchNorm.
-    _collectives.all_reduce_sum(sums, group, slot=f"{state.name}|backward|C={channels}|{x.dtype}",
-                                shape=(channels, x.dtype))
+    if group is not None:  # (the slot's text only where a frame carries it)
+        _collectives.all_reduce_sum(sums, group, slot=f"{state.name}|backward|C={channels}|{x.dtype}",
+                                    shape=(channels, x.dtype))
     if x.numel() == 0:
         return torch.empty_like(x), grad_weight, grad_bias
     shift, slope = sums.unbind()  # r_mu S1, q T of the global batch
