@@ -182,6 +182,42 @@ CLONES void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C
     }
 }
 
+/* The same statistics of a channels-last float32 input, (rows, C) row-major with rows = N * H * W:
+   per channel the sum of x in double over LANES partial sums (row r in lane r % LANES), folded as
+   above, mean = (float)(sum / n), then the float (x - mean)^2 summed so, var = (float)sum / (float)n.
+   Rows are read whole, CL_BLOCK channels at a time (partial sums laid out lane-major, so the loop
+   over a row's channels is vectorized); one block per iteration of the parallel loop, so the result
+   does not depend on the number of threads (ATen's channels-last statistics do). */
+#define CL_BLOCK 16
+CLONES void stats_f32_cl(const float* x, float* mean_out, float* var_out, int64_t C, int64_t rows, int threads) {
+    int64_t blocks = (C + CL_BLOCK - 1) / CL_BLOCK;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+        int64_t c0 = blk * CL_BLOCK, width = C - c0 < CL_BLOCK ? C - c0 : CL_BLOCK;
+        double acc[LANES][CL_BLOCK], lane_sums[LANES];
+        float mean[CL_BLOCK];
+        memset(acc, 0, sizeof acc);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* xr = x + r * C + c0; double* a = acc[r % LANES];
+            for (int64_t k = 0; k < width; ++k) a[k] += (double)xr[k];
+        }
+        for (int64_t k = 0; k < width; ++k) {
+            for (int j = 0; j < LANES; ++j) lane_sums[j] = acc[j][k];
+            mean[k] = (float)(fold(lane_sums) / (double)rows);
+        }
+        memset(acc, 0, sizeof acc);
+        for (int64_t r = 0; r < rows; ++r) {
+            const float* xr = x + r * C + c0; double* a = acc[r % LANES];
+            for (int64_t k = 0; k < width; ++k) { float d = xr[k] - mean[k]; a[k] += (double)(d * d); }
+        }
+        for (int64_t k = 0; k < width; ++k) {
+            for (int j = 0; j < LANES; ++j) lane_sums[j] = acc[j][k];
+            mean_out[c0 + k] = mean[k];
+            var_out[c0 + k] = (float)fold(lane_sums) / (float)rows;
+        }
+    }
+}
+
 /* CBN's per-channel step in float32: distnorm._composite.cbn_plan_composite's formulas in its
    order of operations, one loop over the channels instead of some thirty ATen calls (the
    Triton kernel of distnorm/_triton.py is the same program for CUDA). count: the device's

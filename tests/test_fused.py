@@ -420,14 +420,14 @@ def test_cpu_statistics_are_atens():
     """``distnorm::batch_norm_update_stats`` (the CPU statistics, :mod:`distnorm._cpu_kernels`)
     returns ATen's ``batch_norm_update_stats`` bit for bit: contiguous float32 through the C
     kernel (rows shorter than, equal to and longer than its 32 partial sums, a tail, large
-    means), every other call through ATen's own; with 1 and 2 threads. Each lane's tail is
-    added once, the mean is rounded to float before the squares, and the variance is not
-    divided in double."""
+    means), every other call but channels-last float32 through ATen's own; with 1 and 2
+    threads. Each lane's tail is added once, the mean is rounded to float before the squares,
+    and the variance is not divided in double."""
     gen = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     cases = [((4, C, 5, 5), torch.float32, None), ((3, C, 7), torch.float32, None), ((2, C, 8, 8), torch.float32, None),
              ((2, C, 5, 13), torch.float32, None), ((9, C), torch.float32, None),
-             ((2, C, 3, 5), torch.float32, torch.channels_last), ((2, C, 3, 5), torch.float64, None),
+             ((2, C, 3, 5), torch.float64, torch.channels_last), ((2, C, 3, 5), torch.float64, None),
              ((2, C, 3, 5), torch.bfloat16, None)]
     try:
         for shape, dtype, fmt in cases:
@@ -439,6 +439,32 @@ def test_cpu_statistics_are_atens():
                 want = torch.ops.aten.batch_norm_update_stats(x, *scratch, 0.0)
                 got = torch.ops.distnorm.batch_norm_update_stats(x, *scratch, 0.0)
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), (shape, dtype, fmt, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_channels_last_statistics_are_exact_and_independent_of_threads():
+    """Channels-last float32 takes the C kernel's channels-last loop: the mean within half a
+    float ulp of the float64 mean (ATen's precisions: the sum in double, the mean rounded to
+    float; large means, where a float sum would lose digits), the variance to float's
+    precision, and the same bits on 1 and 2 threads (ATen's channels-last statistics change
+    with the thread count), blocks of channels and partial sums with tails included."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for shape, fmt in (((2, 37, 2, 2), torch.channels_last), ((8, 64, 16, 16), torch.channels_last),
+                           ((3, 20, 3, 4, 5), torch.channels_last_3d), ((4, 70, 33, 7), torch.channels_last)):
+            x = (torch.randn(*shape, generator=gen) * 3 + 100).to(memory_format=fmt)
+            rows = x.double().transpose(0, 1).reshape(shape[1], -1)
+            got = []
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                got.append(torch.ops.distnorm.batch_norm_update_stats(x, None, None, 0.0))
+            assert all(torch.equal(a, b) for a, b in zip(*got)), shape
+            mean, var = got[0]
+            half_ulp = torch.finfo(torch.float32).eps * rows.mean(1).abs() / 2
+            assert ((mean.double() - rows.mean(1)).abs() <= half_ulp).all(), shape
+            torch.testing.assert_close(var.double(), rows.var(1, unbiased=False), rtol=1e-6, atol=0)
     finally:
         torch.set_num_threads(threads)
 

@@ -33,6 +33,7 @@ ELEMT_DECL(elemt_bf16, uint16_t, float)
 ELEMT_DECL(elemt_f16, uint16_t, float)  // _Float16 in C: the same 16 bits
 void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C, int64_t inner, int64_t numel,
                int threads);
+void stats_f32_cl(const float* x, float* mean_out, float* var_out, int64_t C, int64_t rows, int threads);
 void cbn_plan_f32(const float* mean, const float* var, const float* count, const float* weight, const float* bias,
                   const float* eta_ptr, float* amat_mean, float* amat_var, uint8_t* amat_init, float* run_mean,
                   float* run_var, int64_t* nbt, float* center_out, float* var_u_out, float* invstd_out, float* a_out,
@@ -160,9 +161,10 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
   return out;
 }
 
-// distnorm::batch_norm_update_stats: a contiguous float32 input of more than one value per
-// sample and channel, without running buffers, takes stats_f32 (ATen's arithmetic, partial
-// sums in a fixed order); every other call is ATen's own batch_norm_update_stats.
+// distnorm::batch_norm_update_stats: a float32 input without running buffers takes the C
+// kernels, contiguous (stats_f32: ATen's arithmetic, partial sums in a fixed order; more than one
+// value per sample and channel) or channels-last (stats_f32_cl: the same arithmetic, where ATen's
+// result depends on the thread count); every other call is ATen's own batch_norm_update_stats.
 std::tuple<Tensor, Tensor> batch_norm_update_stats(const Tensor& x, const OptTensor& running_mean,
                                                    const OptTensor& running_var, double momentum) {
   const int64_t channels = x.dim() > 1 ? x.size(1) : 0;
@@ -170,11 +172,17 @@ std::tuple<Tensor, Tensor> batch_norm_update_stats(const Tensor& x, const OptTen
   for (int64_t d = 2; d < x.dim(); ++d) inner *= x.size(d);
   const bool has_running = (running_mean.has_value() && running_mean->defined()) ||
                            (running_var.has_value() && running_var->defined());
-  if (x.scalar_type() != at::kFloat || has_running || !x.is_contiguous() || inner <= 1 || x.numel() == 0)
+  const bool contiguous = x.is_contiguous() && inner > 1;
+  const bool channels_last = !x.is_contiguous() && layout_of(x) != at::MemoryFormat::Contiguous;
+  if (x.scalar_type() != at::kFloat || has_running || x.numel() == 0 || !(contiguous || channels_last))
     return at::batch_norm_update_stats(x, running_mean, running_var, momentum);
   Tensor mean = at::empty({channels}, at::TensorOptions().dtype(at::kFloat));
   Tensor var = at::empty({channels}, at::TensorOptions().dtype(at::kFloat));
-  stats_f32(ptr<float>(x), ptr<float>(mean), ptr<float>(var), channels, inner, x.numel(), threads_for(x.numel()));
+  if (contiguous)
+    stats_f32(ptr<float>(x), ptr<float>(mean), ptr<float>(var), channels, inner, x.numel(), threads_for(x.numel()));
+  else
+    stats_f32_cl(ptr<float>(x), ptr<float>(mean), ptr<float>(var), channels, x.numel() / channels,
+                 threads_for(x.numel()));
   return {mean, var};
 }
 
