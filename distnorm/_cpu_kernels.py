@@ -31,9 +31,12 @@ training forward runs the same loop; the profile: ``docs/reference/benchmarks.md
 ``stats_f32`` computes the same quantities in the same precisions (sum of ``x`` in double,
 ``mean`` rounded to float, the float ``(x - mean)^2`` summed in double) with 32 partial sums
 per channel folded in a fixed order, and is declared as ``distnorm::batch_norm_update_stats``
-with ATen's schema; calls it does not cover (other dtypes and layouts, running buffers) are
-ATen's. The values summed are the same, their order differs: the float results are ATen's
-except where a double sum's last bits decide a float rounding (not seen in the tests).
+with ATen's schema. The values summed are the same, their order differs: the float results
+are ATen's except where a double sum's last bits decide a float rounding (not seen in the
+tests). ``stats_f32_cl`` does the same for a channels-last float32 input, whose statistics
+ATen computes with a reduction that costs a small layer more than the rest of its statistics
+step and whose bits change with the number of threads; this loop's do not. Calls neither
+covers (other dtypes, running buffers) are ATen's.
 
 Every loop fixes its order of operations in the source, so the versions compiled for each
 vector width (``target_clones``: AVX-512, AVX2, baseline) give the same bits.
