@@ -91,7 +91,8 @@ twins; every call below gives them what CUDA needs, on every device, and
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -116,6 +117,31 @@ __all__ = [
     "normalize_backward",
     "normalize_parts",
 ]
+
+
+def _without_grad(statistics: Callable[..., NormPlan], *args: Any) -> NormPlan:
+    """``statistics(*args)`` with autograd off, as ``torch.no_grad()`` runs it, without the
+    two Python frames of its context manager (host time every step pays)."""
+    enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return statistics(*args)
+    finally:
+        torch._C._set_grad_enabled(enabled)
+
+
+def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.autograd.function.once_differentiable`` for a hand-written backward, with its
+    ``no_grad`` block skipped where autograd is off already: every backward pass that does
+    not ask for a graph (``create_graph=False``) runs ``backward`` itself; one that does gets
+    the decorator's refusal of a second derivative."""
+    refusing = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Tensor) -> Any:
+        return refusing(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)
+
+    return wrapper
 
 
 # ------------------------------------------------------------------- the step
@@ -175,7 +201,7 @@ class AffinePartsFunction(torch.autograd.Function):
         return scale, torch.zeros_like(scale)
 
     @staticmethod
-    @once_differentiable
+    @_once_differentiable
     def backward(ctx: Any, grad_scale: Tensor, grad_shift: Tensor) -> tuple[Tensor | None, ...]:
         a, grad_coef, beta_coef = ctx.saved_tensors
         state = ctx.state
@@ -207,9 +233,9 @@ def _eager_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buf
     if in_backward():
         return stash.pop(x.shape, state.name)
     if state.kind == "bn":
-        plan = bn_statistics(x, weight, buffers, state)
+        plan = _without_grad(bn_statistics, x, weight, buffers, state)
     else:
-        plan = cbn_statistics(x, weight, bias, buffers, eta, state)
+        plan = _without_grad(cbn_statistics, x, weight, bias, buffers, eta, state)
     stashed = StashedPlan(plan, x.shape)
     grad_enabled = torch.is_grad_enabled()  # the caller's: the statistics ran under no_grad
     stash.push(stashed, grad_enabled=grad_enabled)
@@ -252,7 +278,7 @@ class NormalizeFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @_once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         x, *saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -280,13 +306,13 @@ def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Te
 
 
 # ------------------------------------------------------------------ statistics
-@torch.no_grad()
 def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | None], state: NormState) -> NormPlan:
     """Batch normalization over the global batch (SPEC §3): the plan, and running stats.
 
     ``mean``, ``var`` are the global batch mean and biased variance; ``a = weight * invstd``,
     and the backward coefficients are those of ``torch.nn.BatchNorm*`` on the global batch.
     ``buffers``: ``(running_mean, running_var, num_batches_tracked)``, any of them None.
+    Runs with autograd off (:func:`_eager_statistics`).
     """
     running_mean, running_var, num_batches_tracked = buffers
     group = state.group()
@@ -309,7 +335,6 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
     return plan
 
 
-@torch.no_grad()
 def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Tensor], eta: Tensor,
                    state: NormState) -> NormPlan:
     """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history): the
@@ -317,7 +342,8 @@ def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Te
     per-channel algebra and the buffer updates (:func:`distnorm._composite.cbn_plan_composite`
     gives the maths). A layer with AMAT (``state.amat``) always blends history by ``eta``,
     read on the device (for ``eta = 0`` that gives the batch statistics): in eager mode, in
-    a captured CUDA graph replayed at other learning rates, and in compiled code alike.
+    a captured CUDA graph replayed at other learning rates, and in compiled code alike. Runs
+    with autograd off (:func:`_eager_statistics`).
     """
     group = state.group()
     count, mean, var, valid = _kernel_choice.synced_moments(x, group, state.name, state)  # the group's first step: its vote

@@ -323,6 +323,14 @@ MUTANTS: list[Mutant] = [
         ("tests/test_checkpointing.py::test_checkpointing_equals_plain_and_updates_buffers_once[False]",),
     ),
     Mutant(
+        "second-derivative-unrefused",
+        "the hand-written backward is differentiable once: a second derivative is refused by name",
+        "distnorm/_functions.py",
+        "        return refusing(ctx, *grads) if torch.is_grad_enabled() else backward(ctx, *grads)\n",
+        "        return backward(ctx, *grads)\n",
+        ("tests/test_layers.py::test_a_second_derivative_is_refused_by_name",),
+    ),
+    Mutant(
         "checkpoint-plain-plans-kept",
         "activation checkpointing: a checkpointed step after plain ones recomputes with its own statistics",
         "distnorm/_functions.py",

@@ -464,3 +464,17 @@ def test_bf16_input_gradient_scale_stays_float32(make):
     dims = (0, 2, 3)
     scale = (xa.grad.float() * xb.grad).sum(dims) / (xb.grad * xb.grad).sum(dims)
     assert (scale - 1).abs().max() < 2e-4, scale
+
+
+@pytest.mark.parametrize("make", [lambda: distnorm.CBN(3), lambda: distnorm.SyncBatchNorm(3)])
+def test_a_second_derivative_is_refused_by_name(make):
+    """The hand-written backward is differentiable once: a backward that asks for a graph
+    (``create_graph=True``) gets ``once_differentiable``'s refusal when the second derivative
+    is taken, never a silently wrong one. (Plain backward passes skip that decorator's
+    ``no_grad`` block, which only such a pass needs.)"""
+    layer = make()
+    distnorm.set_lr(layer, 0.01)
+    x = torch.randn(6, 3, 4, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad_x.sum().backward()
