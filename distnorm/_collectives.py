@@ -103,8 +103,10 @@ def sync_group(process_group: ProcessGroup | None = None) -> ProcessGroup | None
     more than one rank (or one, under the test switch ``DISTNORM_SYNC_ONE_RANK=1``);
     otherwise they run the same mathematics on the local batch.
     """
+    if not is_distributed():  # (asked at every step: the common answer first)
+        return None
     size = group_size(process_group)
-    if size <= 1 and not (size == 1 and _ONE_RANK_GROUPS[0] and is_distributed()):
+    if size <= 1 and not (size == 1 and _ONE_RANK_GROUPS[0]):
         return None
     return process_group if process_group is not None else dist.group.WORLD
 
