@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -79,6 +80,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CPP_SOURCE", "SOURCE", "check_precondition_arguments", "cpu_kernel_enabled", "library", "memory_format"]
 
@@ -420,6 +423,8 @@ def library() -> Path:
                                      torch.__version__, torch.__file__]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu-ops-{key}.so"
     if not target.exists():
+        # The one step that takes a while (about 25 s, once per machine and torch): said, not silent.
+        logger.info("distnorm: building the CPU kernels into %s (once per machine and torch version)", target)
         try:
             _build(cc, cxx, target)
         except OSError:  # an unwritable cache: this process's own temporary directory
