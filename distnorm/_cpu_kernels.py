@@ -35,8 +35,8 @@ with ATen's schema. The values summed are the same, their order differs: the flo
 are ATen's except where a double sum's last bits decide a float rounding (not seen in the
 tests). ``stats_f32_cl`` does the same for a channels-last float32 input below ATen's grain
 (32,768 values), where ATen's reduction costs a small layer more than the rest of its
-statistics step (above it ATen's parallel reduction is 3-4x faster than this loop, measured
-2026-11-29 on ``(32, 64, 56, 56)``). Calls neither covers (other dtypes and sizes, running
+statistics step; above it ATen's parallel reduction is the faster (the figures:
+``docs/reference/benchmarks.md``). Calls neither covers (other dtypes and sizes, running
 buffers) are ATen's, whose channels-last bits change with the number of threads.
 
 Every loop fixes its order of operations in the source, so the versions compiled for each
@@ -46,12 +46,12 @@ Build: :data:`SOURCE` with ``$CC`` (default ``cc``) and ``-O3 -fopenmp``, linked
 operators around it, :data:`CPP_SOURCE` (``distnorm/csrc/cpu_ops.cpp``, compiled by ``$CXX``,
 default ``c++``, against the headers of the torch this process imported), into one library
 under ``$DISTNORM_CACHE_DIR`` (default ``~/.cache/distnorm``) named by a hash of the sources, the
-flags, the compilers and the torch: about 25 s once per machine and torch (the C++ file reads
-torch's headers), then each process loads it with ``torch.ops.load_library`` (a few
-milliseconds). Loaded, its C++ operators take the CPU dispatch key of distnorm's operators
-(:mod:`distnorm._ops`), so a call goes from the dispatcher to the loop with no Python between:
-where the kernels' Python wrappers behind the dispatcher cost a CBN step about 150 µs on the
-CPU proxy (``docs/reference/benchmarks.md``). OpenMP's runtime is the one torch already loaded
+flags, the compilers and the torch: once per machine and torch (the C++ file reads torch's
+headers, which takes most of the build), then each process loads it with
+``torch.ops.load_library``. Loaded, its C++ operators take the CPU dispatch key of distnorm's
+operators (:mod:`distnorm._ops`), so a call goes from the dispatcher to the loop with no Python
+between, where Python wrappers behind the dispatcher cost a CBN step a large part of its host
+time (the build's and the step's figures: ``docs/reference/benchmarks.md``). OpenMP's runtime is the one torch already loaded
 (``libgomp.so.1``), with ``torch.get_num_threads()`` threads from ATen's grain (32,768 values)
 up, one below it.
 
@@ -423,7 +423,7 @@ def library() -> Path:
                                      torch.__version__, torch.__file__]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu-ops-{key}.so"
     if not target.exists():
-        # The one step that takes a while (about 25 s, once per machine and torch): said, not silent.
+        # The one step that takes a while (tens of seconds, once per machine and torch): said, not silent.
         logger.info("distnorm: building the CPU kernels into %s (once per machine and torch version)", target)
         try:
             _build(cc, cxx, target)

@@ -443,30 +443,23 @@ def test_cpu_statistics_are_atens():
         torch.set_num_threads(threads)
 
 
-def test_cpu_channels_last_statistics_are_exact_and_independent_of_threads():
-    """Channels-last float32 below ATen's grain takes the C kernel's channels-last loop: the
-    mean within half a float ulp of the float64 mean (ATen's precisions: the sum in double, the
-    mean rounded to float; large means, where a float sum would lose digits), the variance to
-    float's precision, and the same bits on 1 and 2 threads, blocks of channels and partial
-    sums with tails included."""
+def test_cpu_channels_last_statistics_are_the_c_loops_and_exact():
+    """Channels-last float32 below ATen's grain takes the C kernel's channels-last loop (the
+    operator dispatches no ATen statistics), blocks of channels and partial sums with tails
+    included: the mean within half a float ulp of the float64 mean (ATen's precisions: the sum
+    in double, the mean rounded to float; large means, where a float sum would lose digits),
+    the variance to float's precision."""
     gen = torch.Generator().manual_seed(0)
-    threads = torch.get_num_threads()
-    try:
-        for shape, fmt in (((2, 37, 2, 2), torch.channels_last), ((7, 64, 8, 9), torch.channels_last),
-                           ((3, 20, 3, 4, 5), torch.channels_last_3d), ((4, 70, 13, 7), torch.channels_last)):
-            x = (torch.randn(*shape, generator=gen) * 3 + 100).to(memory_format=fmt)
-            rows = x.double().transpose(0, 1).reshape(shape[1], -1)
-            got = []
-            for n in (1, 2):
-                torch.set_num_threads(n)
-                got.append(torch.ops.distnorm.batch_norm_update_stats(x, None, None, 0.0))
-            assert all(torch.equal(a, b) for a, b in zip(*got)), shape
-            mean, var = got[0]
-            half_ulp = torch.finfo(torch.float32).eps * rows.mean(1).abs() / 2
-            assert ((mean.double() - rows.mean(1)).abs() <= half_ulp).all(), shape
-            torch.testing.assert_close(var.double(), rows.var(1, unbiased=False), rtol=1e-6, atol=0)
-    finally:
-        torch.set_num_threads(threads)
+    for shape, fmt in (((2, 37, 2, 2), torch.channels_last), ((7, 64, 8, 9), torch.channels_last),
+                       ((3, 20, 3, 4, 5), torch.channels_last_3d), ((4, 70, 13, 7), torch.channels_last)):
+        x = (torch.randn(*shape, generator=gen) * 3 + 100).to(memory_format=fmt)
+        rows = x.double().transpose(0, 1).reshape(shape[1], -1)
+        torch.ops.distnorm.batch_norm_update_stats(x, None, None, 0.0)  # the C++ kernels loaded before the count
+        (mean, var), dispatched = _dispatched(lambda: torch.ops.distnorm.batch_norm_update_stats(x, None, None, 0.0))
+        assert set(dispatched) - _ALLOCATIONS == {"distnorm::batch_norm_update_stats"}, (shape, dispatched)
+        half_ulp = torch.finfo(torch.float32).eps * rows.mean(1).abs() / 2
+        assert ((mean.double() - rows.mean(1)).abs() <= half_ulp).all(), shape
+        torch.testing.assert_close(var.double(), rows.var(1, unbiased=False), rtol=1e-6, atol=0)
 
 
 def _layer_grads(kind: str, dtype: torch.dtype, channels_last: bool) -> list[torch.Tensor]:

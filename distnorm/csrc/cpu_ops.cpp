@@ -165,7 +165,7 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
 // kernels, contiguous (stats_f32: ATen's arithmetic, partial sums in a fixed order; more than one
 // value per sample and channel) or channels-last below ATen's grain (stats_f32_cl: the same
 // arithmetic on one thread, where ATen's channels-last reduction costs a small layer more than its
-// loop; above the grain ATen's is 3-4x faster than this loop); every other call is ATen's own
+// loop; above the grain ATen's parallel reduction is the faster); every other call is ATen's own
 // batch_norm_update_stats.
 std::tuple<Tensor, Tensor> batch_norm_update_stats(const Tensor& x, const OptTensor& running_mean,
                                                    const OptTensor& running_var, double momentum) {
