@@ -70,20 +70,25 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
+from types import ModuleType
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CPP_SOURCE", "SOURCE", "check_precondition_arguments", "cpu_kernel_enabled", "library", "memory_format"]
+__all__ = ["BINDINGS_SOURCE", "CPP_SOURCE", "SOURCE", "check_precondition_arguments", "cpu_kernel_enabled", "library",
+           "memory_format", "when_loaded"]
 
 SOURCE = r"""
 #include <math.h>
@@ -163,10 +168,26 @@ static inline double fold(double* a) {
         for (int j = 0; j < w; ++j) a[j] = a[j] + a[j + w];
     return a[0];
 }
+/* The lanes a sum over n values in lanes 0, 1, ... (value i in lane i % LANES) can reach: the
+   smallest power of two >= min(n, LANES). fold_lanes(a, lanes) is fold(a) when every lane from
+   `lanes` on is zero: the tree's steps above `lanes` only add those lanes, and a lane that starts
+   at +0.0 is never -0.0 (in round-to-nearest x + -x and +0.0 + -0.0 are +0.0), so adding it
+   changes no bit. A small layer so folds a few lanes, not 32. */
+static inline int lanes_for(int64_t n) {
+    int lanes = 1;
+    while (lanes < LANES && lanes < n) lanes *= 2;
+    return lanes;
+}
+static inline double fold_lanes(double* a, int lanes) {
+    for (int w = lanes / 2; w >= 1; w /= 2)
+        for (int j = 0; j < w; ++j) a[j] = a[j] + a[j + w];
+    return a[0];
+}
 
 CLONES void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C, int64_t inner, int64_t numel,
                       int threads) {
     int64_t batch = numel / (C * inner), n = batch * inner, body = inner - inner % LANES;
+    const int lanes = lanes_for(inner);  /* value i of a sample's channel goes to lane i % LANES */
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t c = 0; c < C; ++c) {
         double acc[LANES] = {0};
@@ -176,8 +197,8 @@ CLONES void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C
                 for (int j = 0; j < LANES; ++j) acc[j] += (double)xr[i + j];
             for (int64_t i = body; i < inner; ++i) acc[i - body] += (double)xr[i];
         }
-        float mean = (float)(fold(acc) / (double)n);
-        for (int j = 0; j < LANES; ++j) acc[j] = 0;
+        float mean = (float)(fold_lanes(acc, lanes) / (double)n);
+        for (int j = 0; j < lanes; ++j) acc[j] = 0;
         for (int64_t b = 0; b < batch; ++b) {
             const float* xr = x + (b * C + c) * inner;
             for (int64_t i = 0; i < body; i += LANES)
@@ -185,7 +206,7 @@ CLONES void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C
             for (int64_t i = body; i < inner; ++i) { float d = xr[i] - mean; acc[i - body] += (double)(d * d); }
         }
         mean_out[c] = mean;
-        var_out[c] = (float)fold(acc) / (float)n;
+        var_out[c] = (float)fold_lanes(acc, lanes) / (float)n;
     }
 }
 
@@ -198,29 +219,30 @@ CLONES void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C
 #define CL_BLOCK 16
 CLONES void stats_f32_cl(const float* x, float* mean_out, float* var_out, int64_t C, int64_t rows, int threads) {
     int64_t blocks = (C + CL_BLOCK - 1) / CL_BLOCK;
+    const int lanes = lanes_for(rows);  /* row r goes to lane r % LANES */
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t blk = 0; blk < blocks; ++blk) {
         int64_t c0 = blk * CL_BLOCK, width = C - c0 < CL_BLOCK ? C - c0 : CL_BLOCK;
         double acc[LANES][CL_BLOCK], lane_sums[LANES];
         float mean[CL_BLOCK];
-        memset(acc, 0, sizeof acc);
+        memset(acc, 0, sizeof(acc[0]) * lanes);
         for (int64_t r = 0; r < rows; ++r) {
             const float* xr = x + r * C + c0; double* a = acc[r % LANES];
             for (int64_t k = 0; k < width; ++k) a[k] += (double)xr[k];
         }
         for (int64_t k = 0; k < width; ++k) {
-            for (int j = 0; j < LANES; ++j) lane_sums[j] = acc[j][k];
-            mean[k] = (float)(fold(lane_sums) / (double)rows);
+            for (int j = 0; j < lanes; ++j) lane_sums[j] = acc[j][k];
+            mean[k] = (float)(fold_lanes(lane_sums, lanes) / (double)rows);
         }
-        memset(acc, 0, sizeof acc);
+        memset(acc, 0, sizeof(acc[0]) * lanes);
         for (int64_t r = 0; r < rows; ++r) {
             const float* xr = x + r * C + c0; double* a = acc[r % LANES];
             for (int64_t k = 0; k < width; ++k) { float d = xr[k] - mean[k]; a[k] += (double)(d * d); }
         }
         for (int64_t k = 0; k < width; ++k) {
-            for (int j = 0; j < LANES; ++j) lane_sums[j] = acc[j][k];
+            for (int j = 0; j < lanes; ++j) lane_sums[j] = acc[j][k];
             mean_out[c0 + k] = mean[k];
-            var_out[c0 + k] = (float)fold(lane_sums) / (float)rows;
+            var_out[c0 + k] = (float)fold_lanes(lane_sums, lanes) / (float)rows;
         }
     }
 }
@@ -352,6 +374,11 @@ PRECONDITION(bnp_precondition_f64, double)
 _FLAGS = ["-O3", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
 #: The C++ operators around the C kernels, registered under the CPU dispatch key.
 CPP_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+#: Python's calls into the operators through the dispatcher's typed handles (the module
+#: :func:`library` imports from the same library).
+BINDINGS_SOURCE = Path(__file__).with_name("csrc") / "bindings.cpp"
+#: The Python module's name, ``PYBIND11_MODULE(_cpu_ops, ...)`` in :data:`BINDINGS_SOURCE`.
+_BINDINGS = "distnorm._cpu_ops"
 
 
 def cpu_kernel_enabled() -> bool:
@@ -384,42 +411,79 @@ def _compilers() -> tuple[str, str]:
 
 
 def _torch_flags() -> list[str]:
-    """What a C++ file needs to include torch's headers and link against the torch this process
-    imported (the paths, C++ standard and ABI of ``torch.utils.cpp_extension``, which is not
-    imported: it looks for CUDA at import)."""
+    """What a C++ file needs to include torch's and Python's headers (the paths, C++ standard and
+    ABI of ``torch.utils.cpp_extension``, which is not imported: it looks for CUDA at import)."""
     root = Path(torch.__file__).parent
     return ["-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            f"-I{root / 'include'}", f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}"]
+            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}"]
 
 
-def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise _failure(f"{command[0]} failed (exit status {done.returncode})" + (
-            f":\n{done.stderr.strip()[-2000:]}\n" if done.stderr.strip() else ""))
+def _link_flags() -> list[str]:
+    """What the library links against: the torch this process imported."""
+    lib = Path(torch.__file__).parent / "lib"
+    return [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu", "-ltorch_python"]
+
+
+def _run_all(commands: list[list[str]]) -> None:
+    """Run ``commands`` side by side (the C++ files take most of the build); raise for the first
+    that fails."""
+    running = [(command, subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+               for command in commands]
+    finished = [(command, process, process.communicate()[1]) for command, process in running]
+    for command, process, stderr in finished:
+        if process.returncode != 0:
+            raise _failure(f"{command[0]} failed (exit status {process.returncode})" + (
+                f":\n{stderr.strip()[-2000:]}\n" if stderr.strip() else ""))
 
 
 def _build(cc: str, cxx: str, target: Path) -> None:
-    """Compile :data:`SOURCE` (C) and :data:`CPP_SOURCE` (C++) into the shared library
-    ``target`` (atomically: concurrent processes may race)."""
+    """Compile :data:`SOURCE` (C), :data:`CPP_SOURCE` and :data:`BINDINGS_SOURCE` (C++) into the
+    shared library ``target`` (atomically: concurrent processes may race)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, kernels, lib = Path(tmp) / "kernels.c", Path(tmp) / "kernels.o", Path(tmp) / target.name
+        src, lib = Path(tmp) / "kernels.c", Path(tmp) / target.name
+        objects = [Path(tmp) / name for name in ("kernels.o", "cpu_ops.o", "bindings.o")]
         src.write_text(SOURCE)
-        _run([cc, *_FLAGS, "-c", str(src), "-o", str(kernels)])
-        _run([cxx, *_FLAGS, "-shared", str(CPP_SOURCE), str(kernels), "-o", str(lib), *_torch_flags(),
-              "-lc10", "-ltorch_cpu"])
+        _run_all([[cc, *_FLAGS, "-c", str(src), "-o", str(objects[0])],
+                  [cxx, *_FLAGS, *_torch_flags(), "-c", str(CPP_SOURCE), "-o", str(objects[1])],
+                  [cxx, *_FLAGS, *_torch_flags(), "-c", str(BINDINGS_SOURCE), "-o", str(objects[2])]])
+        _run_all([[cxx, *_FLAGS, "-shared", *map(str, objects), "-o", str(lib), *_link_flags()]])
         os.replace(lib, target)
+
+
+#: Called with the bindings module once the library is loaded (:func:`when_loaded`).
+_HOOKS: list[Callable[[ModuleType], None]] = []
+
+
+def when_loaded(hook: Callable[[ModuleType], None]) -> None:
+    """Call ``hook(bindings)`` once :func:`library` has loaded the library (at once if it has):
+    ``bindings`` is the module of :data:`BINDINGS_SOURCE`, one function per operator. How
+    :mod:`distnorm._ops`, which declares the operators, learns of their faster calls without this
+    module importing it."""
+    _HOOKS.append(hook)
+    if library.cache_info().currsize:
+        hook(sys.modules[_BINDINGS])
+
+
+def _import_bindings(target: Path) -> ModuleType:
+    """The Python module of :data:`BINDINGS_SOURCE` in the loaded library ``target``."""
+    spec = importlib.util.spec_from_file_location(_BINDINGS, target)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[_BINDINGS] = module
+    return module
 
 
 @functools.cache
 def library() -> Path:
     """Build this machine's kernels at their first call, load them into this process once
     (their C++ operators then take the CPU dispatch key of distnorm's operators:
-    :mod:`distnorm._ops`), and return the library's path. Raises, naming the fix, where they
-    cannot be built."""
+    :mod:`distnorm._ops`; the bindings module goes to the :func:`when_loaded` hooks), and return
+    the library's path. Raises, naming the fix, where they cannot be built."""
     cc, cxx = _compilers()
-    key = hashlib.sha256("\0".join([SOURCE, CPP_SOURCE.read_text(), *_FLAGS, cc, cxx, sys.platform,
+    key = hashlib.sha256("\0".join([SOURCE, CPP_SOURCE.read_text(), BINDINGS_SOURCE.read_text(), *_FLAGS,
+                                     *_torch_flags(), *_link_flags(), cc, cxx, sys.platform, sys.version,
                                      torch.__version__, torch.__file__]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu-ops-{key}.so"
     if not target.exists():
@@ -432,6 +496,9 @@ def library() -> Path:
             if not target.exists():
                 _build(cc, cxx, target)
     torch.ops.load_library(str(target))
+    bindings = _import_bindings(target)
+    for hook in _HOOKS:
+        hook(bindings)
     return target
 
 

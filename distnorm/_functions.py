@@ -174,7 +174,7 @@ def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers
     if x.numel() == 0:  # kernel contract: no empty input (see channel_affine); the rank still joined the collective
         x_hat = torch.empty_like(x)
     else:
-        x_hat = torch.ops.aten.native_batch_norm(x, None, None, plan.center, plan.var, False, 0.0, state.eps)[0]
+        x_hat = torch.native_batch_norm(x, None, None, plan.center, plan.var, False, 0.0, state.eps)[0]
     scale, shift = AffinePartsFunction.apply(weight, bias, plan, state)
     return x_hat, scale, shift
 
@@ -389,7 +389,7 @@ def channel_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     channels = scale.shape[0]
     zero = constant(0.0, channels, scale.dtype, scale.device)
     one = constant(1.0, channels, scale.dtype, scale.device)
-    return torch.ops.aten.native_batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0)[0]
+    return torch.native_batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0)[0]
 
 
 def forward_output(x: Tensor, weight: Tensor | None, bias: Tensor | None, center: Tensor, var: Tensor,
@@ -409,7 +409,7 @@ def forward_output(x: Tensor, weight: Tensor | None, bias: Tensor | None, center
     else:
         scale = to_dtype(weight, acc) if state.rho == 1.0 else to_dtype(weight, acc) * (1.0 / state.rho)
         shift = None
-    return torch.ops.aten.native_batch_norm(x, scale, shift, center, var, False, 0.0, state.eps)[0]
+    return torch.native_batch_norm(x, scale, shift, center, var, False, 0.0, state.eps)[0]
 
 
 def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], need_input_grad: bool,
@@ -482,7 +482,7 @@ def backward_elemt(grad_out: Tensor, x: Tensor, grad_scale: Tensor, args: Sequen
     w, shift, slope, count = args
     one = constant(1.0, w.shape[0], w.dtype, w.device)
     if x.device.type == "cuda":
-        return torch.ops.aten.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
+        return torch.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
     if cpu_kernel and x.device.type == "cpu":
         return _ops.batch_norm_backward_elemt(grad_out, x, w, one, grad_scale, shift, slope, count)
     # B = -a slope / n, D = a (w slope - shift) / n: an affine map of x, then + a g.

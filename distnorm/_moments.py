@@ -62,7 +62,7 @@ def local_moments(x: torch.Tensor, cpu_kernel: bool = False) -> tuple[torch.Tens
     """
     acc = accumulate_dtype(x)
     on_cpu = cpu_kernel and x.device.type == "cpu"
-    stats = _ops.batch_norm_update_stats if on_cpu else torch.ops.aten.batch_norm_update_stats
+    stats = _ops.batch_norm_update_stats if on_cpu else torch.batch_norm_update_stats
     if x.dtype == acc:
         mean, var = stats(x, None, None, 0.0)
     else:

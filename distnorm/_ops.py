@@ -29,6 +29,7 @@ call that decorator's Python wrapper, whose host time is what the fusion saves o
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 import torch
@@ -164,3 +165,18 @@ snapshot = torch.ops.distnorm.snapshot.default
 batch_norm_backward_elemt = torch.ops.distnorm.batch_norm_backward_elemt.default
 batch_norm_update_stats = torch.ops.distnorm.batch_norm_update_stats.default
 bnp_precondition = torch.ops.distnorm.bnp_precondition.default
+
+#: The names above that the C++ library, once loaded, also calls from Python
+#: (distnorm/csrc/bindings.cpp): the same operator through the dispatcher's typed handle, every
+#: dispatch key visited as before (autograd, a TorchDispatchMode, the profiler, each device's
+#: kernel), without torch.ops's conversion of every argument, host time each eager step pays
+#: per operator. Compiled code never calls these (it traces ATen calls, and ``snapshot``).
+FAST_CALLS = ("cbn_plan", "backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats",
+              "bnp_precondition")
+
+
+def _take_fast_calls(bindings: ModuleType) -> None:
+    globals().update({name: getattr(bindings, name) for name in FAST_CALLS})
+
+
+_cpu_kernels.when_loaded(_take_fast_calls)
