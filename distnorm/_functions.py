@@ -23,12 +23,14 @@ statistics (:func:`bn_statistics`, :func:`cbn_statistics`; no autograd)
     plan of the first forward instead (:mod:`distnorm._recompute`).
 
 forward (:func:`forward_output`, in :class:`NormalizeFunction`)
-    ``y = scale * (x - center) / sqrt(var + eps) + shift``: ATen's inference batch norm,
-    one fused pass for every input rank, memory format and dtype.
+    ``y = scale * (x - center) / sqrt(var + eps) + shift`` in one fused pass for every input
+    rank, memory format and dtype: ATen's inference batch norm; on the CPU with the C kernels
+    ``distnorm::batch_norm_elemt``, the schema and formula of ATen's CUDA ``batch_norm_elemt``.
 
 backward (:func:`normalize_backward`)
-    1. ATen's batch-norm backward computes the local sums ``S1 = sum(g)`` and
-       ``T = sum(g * (x - center)) * invstd`` in one pass.
+    1. The local sums ``S1 = sum(g)`` and ``T = sum(g * (x - center)) * invstd`` in one pass:
+       ATen's batch-norm backward (on CUDA its ``batch_norm_backward_reduce``); on the CPU with
+       the C kernels ``distnorm::batch_norm_backward_reduce``, that kernel's schema.
     2. Parameter gradients from the local sums (the data-parallel engine averages them),
        and the local sums scaled for step 3, ``[r_mu S1, q T]``: ``r_mu`` and ``q`` are the
        same on every rank, so the all-reduce of the scaled sums is the scaled global sums
@@ -99,9 +101,11 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from distnorm import _bnp_functions, _capture, _collectives, _kernel_choice, _ops, _traced
+from distnorm._collectives import ProcessGroup
 from distnorm._composite import backward_sums_composite, grad_coef_of, to_dtype, update_running
 from distnorm._constants import constant
 from distnorm._cpu_kernels import memory_format as _memory_format
+from distnorm._kernel_choice import Kernels
 from distnorm._recompute import Stash, StashedPlan, in_backward
 from distnorm._state import CBNBuffers, NormPlan, NormState
 
@@ -146,19 +150,21 @@ def _once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
 
 # ------------------------------------------------------------------- the step
 def normalize(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
-              eta: Tensor | None, state: NormState) -> Tensor:
+              eta: Tensor | None, state: NormState, group: ProcessGroup | None) -> Tensor:
     """A training step of a synchronized layer: the statistics of ``x`` (one all-reduce; the
     buffers updated), then ``y = scale * (x - center) / sqrt(var + eps) + shift``, whose
     backward (one all-reduce) is :class:`NormalizeFunction`'s.
 
     ``buffers``: a :class:`CBNBuffers` for CBN / POP-Norm, with ``eta`` AMAT's (0-dim);
-    ``(running_mean, running_var, num_batches_tracked)`` for BN, any of them None.
+    ``(running_mean, running_var, num_batches_tracked)`` for BN, any of them None. ``group``:
+    ``state.group()``, asked once per step by the caller.
     """
-    return NormalizeFunction.apply(x, weight, bias, _statistics(x, weight, bias, buffers, eta, state), state)
+    plan = _statistics(x, weight, bias, buffers, eta, state, group)
+    return NormalizeFunction.apply(x, weight, bias, plan, state, group)
 
 
 def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers, eta: Tensor,
-                    state: NormState) -> tuple[Tensor, Tensor, Tensor]:
+                    state: NormState, group: ProcessGroup | None) -> tuple[Tensor, Tensor, Tensor]:
     """A CBN / POP-Norm training step for an input that needs no gradient, in parts:
     ``(x_hat, scale, shift)`` with the layer's output ``y = scale[c] * x_hat + shift[c]``,
     for a caller that folds ``scale`` and ``shift`` into the linear operation that follows
@@ -170,7 +176,7 @@ def normalize_parts(x: Tensor, weight: Tensor, bias: Tensor, buffers: CBNBuffers
     backward gives gamma and beta the gradients :func:`normalize_backward` gives them. The
     input gradient, and so the backward's collective, is never needed.
     """
-    plan = _statistics(x, weight, bias, buffers, eta, state)
+    plan = _statistics(x, weight, bias, buffers, eta, state, group)
     if x.numel() == 0:  # kernel contract: no empty input (see channel_affine); the rank still joined the collective
         x_hat = torch.empty_like(x)
     else:
@@ -216,16 +222,16 @@ class AffinePartsFunction(torch.autograd.Function):
 
 
 def _statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
-                eta: Tensor | None, state: NormState) -> NormPlan:
+                eta: Tensor | None, state: NormState, group: ProcessGroup | None) -> NormPlan:
     """The statistics step of a training call: as ``torch.compile`` traces it, else eagerly
     (with the checkpoint stash)."""
     if torch.compiler.is_compiling():
         return _compiled_statistics(x, weight, bias, buffers, eta, state)
-    return _eager_statistics(x, weight, bias, buffers, eta, state)
+    return _eager_statistics(x, weight, bias, buffers, eta, state, group)
 
 
 def _eager_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buffers: Sequence[Tensor | None],
-                      eta: Tensor | None, state: NormState) -> NormPlan:
+                      eta: Tensor | None, state: NormState, group: ProcessGroup | None) -> NormPlan:
     """The statistics step — or, in a forward that activation checkpointing recomputes
     during the backward pass, the plan its first forward stashed (no collective, no buffer
     update)."""
@@ -233,9 +239,9 @@ def _eager_statistics(x: Tensor, weight: Tensor | None, bias: Tensor | None, buf
     if in_backward():
         return stash.pop(x.shape, state.name)
     if state.kind == "bn":
-        plan = _without_grad(bn_statistics, x, weight, buffers, state)
+        plan = _without_grad(bn_statistics, x, weight, buffers, state, group)
     else:
-        plan = _without_grad(cbn_statistics, x, weight, bias, buffers, eta, state)
+        plan = _without_grad(cbn_statistics, x, weight, bias, buffers, eta, state, group)
     stashed = StashedPlan(plan, x.shape)
     grad_enabled = torch.is_grad_enabled()  # the caller's: the statistics ran under no_grad
     stash.push(stashed, grad_enabled=grad_enabled)
@@ -261,18 +267,22 @@ class NormalizeFunction(torch.autograd.Function):
     """``y = scale * (x - center) / sqrt(var + eps) + shift`` with the statistics' backward.
 
     ``plan`` (a :class:`NormPlan`) takes no gradient: its dependence on ``x`` and the
-    parameters is in the hand-written backward. ``state`` is the layer's :class:`NormState`.
+    parameters is in the hand-written backward. ``state`` is the layer's :class:`NormState`,
+    ``group`` the one its statistics reduced over: the backward's, with the kernels the group
+    agreed (:func:`distnorm._kernel_choice.kernels_of`, asked once per step, here).
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, plan: NormPlan,
-                state: NormState) -> Tensor:
-        y = forward_output(x, weight, bias, plan.center, plan.var, state)
+                state: NormState, group: ProcessGroup | None) -> Tensor:
+        compiling = torch.compiler.is_compiling()
+        kernels = None if compiling else _kernel_choice.kernels_of(state, group, x.device)
+        y = forward_output(x, weight, bias, plan, state, kernels is not None and kernels.cpu)
         ctx.save_for_backward(x, plan.center, plan.invstd, plan.grad_scale, plan.grad_coef, plan.beta_coef)
-        ctx.state = state
+        ctx.state, ctx.group, ctx.kernels = state, group, kernels
         ctx.weight_dtype = weight.dtype if weight is not None else None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        if not torch.compiler.is_compiling():
+        if not compiling:
             ctx.stashed = state.pending  # keeps the stashed plan alive as long as this node
             state.pending = None
         return y
@@ -286,12 +296,12 @@ class NormalizeFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             grad_x, grad_w, grad_b = _traced.normalize_backward(grad_out, x, saved, need_x, ctx.state)
         else:
-            grad_x, grad_w, grad_b = normalize_backward(grad_out, x, saved, need_x, ctx.state)
+            grad_x, grad_w, grad_b = normalize_backward(grad_out, x, saved, need_x, ctx.state, ctx.group, ctx.kernels)
         return (
             grad_x if need_x else None,
             to_dtype(grad_w, ctx.weight_dtype) if need_w else None,
             to_dtype(grad_b, ctx.bias_dtype) if need_b else None,
-            None, None,
+            None, None, None,
         )
 
 
@@ -306,16 +316,16 @@ def bnp_statistics(h: Tensor, mean: Tensor, var: Tensor, state: Any) -> tuple[Te
 
 
 # ------------------------------------------------------------------ statistics
-def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | None], state: NormState) -> NormPlan:
+def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | None], state: NormState,
+                  group: ProcessGroup | None) -> NormPlan:
     """Batch normalization over the global batch (SPEC §3): the plan, and running stats.
 
     ``mean``, ``var`` are the global batch mean and biased variance; ``a = weight * invstd``,
     and the backward coefficients are those of ``torch.nn.BatchNorm*`` on the global batch.
-    ``buffers``: ``(running_mean, running_var, num_batches_tracked)``, any of them None.
-    Runs with autograd off (:func:`_eager_statistics`).
+    ``buffers``: ``(running_mean, running_var, num_batches_tracked)``, any of them None;
+    ``group``: ``state.group()``. Runs with autograd off (:func:`_eager_statistics`).
     """
     running_mean, running_var, num_batches_tracked = buffers
-    group = state.group()
     moments = _kernel_choice.synced_moments(x, group, state.name, state)  # the group's first step: its kernel vote
     mean, var, count = moments.mean, moments.var, moments.count
     acc = mean.dtype
@@ -336,16 +346,15 @@ def bn_statistics(x: Tensor, weight: Tensor | None, buffers: Sequence[Tensor | N
 
 
 def cbn_statistics(x: Tensor, weight: Tensor, bias: Tensor, buffers: Sequence[Tensor], eta: Tensor,
-                   state: NormState) -> NormPlan:
+                   state: NormState, group: ProcessGroup | None) -> NormPlan:
     """Complete batch normalization with AMAT (SPEC §1; POP-Norm without history): the
     global moments (one all-reduce), then one operator, ``distnorm::cbn_plan``, for the
     per-channel algebra and the buffer updates (:func:`distnorm._composite.cbn_plan_composite`
     gives the maths). A layer with AMAT (``state.amat``) always blends history by ``eta``,
     read on the device (for ``eta = 0`` that gives the batch statistics): in eager mode, in
-    a captured CUDA graph replayed at other learning rates, and in compiled code alike. Runs
-    with autograd off (:func:`_eager_statistics`).
+    a captured CUDA graph replayed at other learning rates, and in compiled code alike.
+    ``group``: ``state.group()``. Runs with autograd off (:func:`_eager_statistics`).
     """
-    group = state.group()
     count, mean, var, valid = _kernel_choice.synced_moments(x, group, state.name, state)  # the group's first step: its vote
     plan_kernel = _kernel_choice.kernels_of(state, group, x.device).per_channel
     # A count on the host, or on the device with the device's validity mask where only it knows.
@@ -392,40 +401,56 @@ def channel_affine(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
     return torch.native_batch_norm(x, scale, shift, zero, one, False, 0.0, 0.0)[0]
 
 
-def forward_output(x: Tensor, weight: Tensor | None, bias: Tensor | None, center: Tensor, var: Tensor,
-                   state: NormState) -> Tensor:
-    """``scale * (x - center) / sqrt(var + eps) + shift``: ATen's inference batch norm.
+def forward_output(x: Tensor, weight: Tensor | None, bias: Tensor | None, plan: NormPlan, state: NormState,
+                   cpu_kernel: bool = False) -> Tensor:
+    """``scale * (x - center) / sqrt(var + eps) + shift`` in one pass.
 
     BN: ``scale, shift = weight, bias``; CBN: ``scale = gamma / rho``, no shift (beta is in
-    ``center``). Kernel contract: weight and bias of the accumulation dtype; calling
-    ``native_batch_norm`` directly (not ``torch.batch_norm``, which may pick cuDNN) runs the
-    same native kernel family on CPU and CUDA.
+    ``center``). With ``cpu_kernel`` (the group agreed on the C kernels) a CPU input takes
+    ``distnorm::batch_norm_elemt`` (:mod:`distnorm._cpu_kernels`), the schema and formula of
+    ATen's CUDA ``batch_norm_elemt``, ``(x - center) * invstd * weight + bias``: for CBN with
+    ``weight = a = gamma * invstd / rho`` (the plan's ``grad_scale``) and ``invstd = 1``, so
+    POP-Norm's ``1 / rho`` costs no operator of its own. Elsewhere ATen's inference batch norm;
+    calling ``native_batch_norm`` directly (not ``torch.batch_norm``, which may pick cuDNN) runs
+    the same native kernel family on CPU and CUDA. Kernel contract: per-channel arguments of
+    the accumulation dtype.
     """
     if x.numel() == 0:  # a rank without samples (kernel contract: no empty input, see channel_affine)
         return torch.empty_like(x)
-    acc = center.dtype
+    acc = plan.center.dtype
+    if cpu_kernel and x.device.type == "cpu":
+        if state.kind == "bn":
+            return _ops.batch_norm_elemt(x, to_dtype(weight, acc), to_dtype(bias, acc), plan.center, plan.invstd,
+                                         state.eps)
+        return _ops.batch_norm_elemt(x, plan.grad_scale, None, plan.center,
+                                     constant(1.0, plan.center.shape[0], acc, x.device), state.eps)
     if state.kind == "bn":
         scale, shift = to_dtype(weight, acc), to_dtype(bias, acc)
     else:
         scale = to_dtype(weight, acc) if state.rho == 1.0 else to_dtype(weight, acc) * (1.0 / state.rho)
         shift = None
-    return torch.native_batch_norm(x, scale, shift, center, var, False, 0.0, state.eps)[0]
+    return torch.native_batch_norm(x, scale, shift, plan.center, plan.var, False, 0.0, state.eps)[0]
 
 
 def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], need_input_grad: bool,
-                       state: NormState) -> tuple[Tensor, Tensor, Tensor]:
+                       state: NormState, group: ProcessGroup | None, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
     """``(grad_x, grad_weight, grad_bias)`` in the accumulation dtype (see the module plan).
 
     ``saved``: the plan's ``(center, invstd, grad_scale, grad_coef, beta_coef)``. ``grad_x``
-    is an empty tensor when ``need_input_grad`` is false (no collective then). Runs inside
+    is an empty tensor when ``need_input_grad`` is false (no collective then). ``group`` and
+    ``kernels``: the forward's (:class:`NormalizeFunction`). Runs inside
     :class:`NormalizeFunction`'s backward, where autograd records nothing.
     """
     center, invstd, grad_scale, grad_coef, beta_coef = saved
     channels = center.shape[0]
-    group = state.group()
     if state.kind == "bn" and group is None:
         return _local_batch_norm_backward(grad_out, x, saved, need_input_grad, state)
-    if x.numel() > 0:
+    if x.numel() > 0 and kernels.cpu and x.device.type == "cpu":
+        # The C kernel, with the arguments of ATen's CUDA batch_norm_backward_reduce (which the CUDA
+        # path's native_batch_norm_backward below runs): T = sum(g (x - center)) invstd, S1 = sum(g).
+        _, _, t_local, s1_local = _ops.batch_norm_backward_reduce(grad_out, x, center, invstd, invstd,
+                                                                  False, True, True)
+    elif x.numel() > 0:
         # Kernel contract (batch_norm_backward_cuda): train=True makes both kernels read
         # save_mean / save_invstd, which CUDA asserts are defined; the mask [False, True,
         # True] takes CUDA's non-fused branch, whose batch_norm_backward_reduce needs a
@@ -439,7 +464,6 @@ def normalize_backward(grad_out: Tensor, x: Tensor, saved: Sequence[Tensor], nee
 
     # One fused operator (distnorm._kernels): the local sums scaled for the element-wise
     # pass, [r_mu S1, q T], the local parameter gradients, the pass's w and count.
-    kernels = _kernel_choice.kernels_of(state, group, x.device)  # what the forward's group agreed
     if state.kind == "bn":  # ATen's sums are BN's parameter gradients; no beta term
         sums, _, _, w, count = _ops.backward_sums(
             s1_local, t_local, constant(0.0, (channels,), center.dtype, center.device),

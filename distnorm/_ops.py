@@ -10,8 +10,9 @@ room that calls one imports the room that declares it.
   launches one kernel where ATen would launch some thirty, and a CPU runs one C loop
   (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
   ``"triton"``, ``"cpu"``), as the group agreed (:mod:`distnorm._kernel_choice`).
-* ``distnorm::batch_norm_backward_elemt`` and ``batch_norm_update_stats``: CPU kernels with
-  the schemas of ATen's (:mod:`distnorm._cpu_kernels`).
+* ``distnorm::batch_norm_backward_elemt``, ``batch_norm_update_stats``, ``batch_norm_elemt`` and
+  ``batch_norm_backward_reduce``: CPU kernels with the schemas of ATen's (the CPU has the first
+  two only as other arithmetic, and not the others: :mod:`distnorm._cpu_kernels`).
 * ``distnorm::bnp_precondition``: BNP's gradient transform in one pass over the weight
   gradient, registered as the per-channel steps are (the C kernel under ``CPU``, Triton's
   under ``CUDA``, the composite for every device; the maths:
@@ -43,8 +44,8 @@ require_torch(torch.__version__)
 
 from distnorm import _cpu_kernels, _kernels  # noqa: E402
 
-__all__ = ["backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats", "bnp_precondition", "cbn_plan",
-           "snapshot"]
+__all__ = ["FAST_CALLS", "backward_sums", "batch_norm_backward_elemt", "batch_norm_backward_reduce", "batch_norm_elemt",
+           "batch_norm_update_stats", "bnp_precondition", "cbn_plan", "snapshot"]
 
 _LIB = torch.library.Library("distnorm", "FRAGMENT")
 
@@ -113,6 +114,25 @@ _LIB.define("batch_norm_update_stats(Tensor input, Tensor? running_mean, Tensor?
 torch.library.register_fake("distnorm::batch_norm_update_stats", _batch_norm_update_stats_fake, lib=_LIB)
 
 
+# The forward's output and the backward's local sums on the CPU (kernels: distnorm._cpu_kernels),
+# with the schemas of ATen's CUDA batch_norm_elemt and batch_norm_backward_reduce (the CPU has
+# neither): a synchronized layer's step calls them where its group agreed on the C kernels.
+def _batch_norm_elemt_fake(x: Tensor, *_: Any) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _batch_norm_backward_reduce_fake(grad_out: Tensor, x: Tensor, mean: Tensor, *_: Any) -> tuple[Tensor, ...]:
+    return tuple(torch.empty_like(mean) for _ in range(4))
+
+
+_LIB.define("batch_norm_elemt(Tensor input, Tensor? weight, Tensor? bias, Tensor mean, Tensor invstd, float eps) "
+            "-> Tensor")
+torch.library.register_fake("distnorm::batch_norm_elemt", _batch_norm_elemt_fake, lib=_LIB)
+_LIB.define("batch_norm_backward_reduce(Tensor grad_out, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, "
+            "bool input_g, bool weight_g, bool bias_g) -> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.register_fake("distnorm::batch_norm_backward_reduce", _batch_norm_backward_reduce_fake, lib=_LIB)
+
+
 # BNP's gradient transform (kernels: distnorm._kernels): one pass over the weight gradient, the C
 # kernel on the CPU and Triton's on CUDA, called by distnorm._bnp_functions.BNPGradientFunction in
 # eager mode with the kernel the layer's group agreed on; compiled code fuses the composite's ATen
@@ -125,8 +145,8 @@ _define("bnp_precondition", _kernels.bnp_precondition, _bnp_precondition_fake)
 _LIB.impl("bnp_precondition", _kernels.bnp_precondition_cuda, "CUDA")
 
 
-# The CPU. Its kernels are C++ (distnorm/csrc/cpu_ops.cpp around the C loops of
-# distnorm._cpu_kernels), built at the first step that asks for them and registered under the
+# The CPU. Its kernels are C++ (distnorm/csrc/cpu_ops.cpp around the C loops of csrc/kernels.c,
+# built by distnorm._cpu_kernels), at the first step that asks for them and registered under the
 # CPU key when they load, so a call goes from the dispatcher to the loop with no Python between.
 # Until then the CPU key holds a Python function that loads them (the first call that names
 # the C kernel, kernel="cpu", or the two operators with ATen's schemas, which only the C
@@ -150,7 +170,8 @@ def _until_loaded(name: str, python_cpu: Optional[Callable]) -> Callable:
 
 for _name, _python_cpu in (("cbn_plan", _kernels.cbn_plan_cpu), ("backward_sums", _kernels.backward_sums_cpu),
                            ("bnp_precondition", _kernels.bnp_precondition_cpu),
-                           ("batch_norm_backward_elemt", None), ("batch_norm_update_stats", None)):
+                           ("batch_norm_backward_elemt", None), ("batch_norm_update_stats", None),
+                           ("batch_norm_elemt", None), ("batch_norm_backward_reduce", None)):
     _LIB.impl(_name, _until_loaded(_name, _python_cpu), "CPU")
     if _python_cpu is not None:
         _LIB.define(str(getattr(torch.ops.distnorm, _name).default._schema).replace(
@@ -165,6 +186,8 @@ snapshot = torch.ops.distnorm.snapshot.default
 batch_norm_backward_elemt = torch.ops.distnorm.batch_norm_backward_elemt.default
 batch_norm_update_stats = torch.ops.distnorm.batch_norm_update_stats.default
 bnp_precondition = torch.ops.distnorm.bnp_precondition.default
+batch_norm_elemt = torch.ops.distnorm.batch_norm_elemt.default
+batch_norm_backward_reduce = torch.ops.distnorm.batch_norm_backward_reduce.default
 
 #: The names above that the C++ library, once loaded, also calls from Python
 #: (distnorm/csrc/bindings.cpp): the same operator through the dispatcher's typed handle, every
@@ -172,7 +195,7 @@ bnp_precondition = torch.ops.distnorm.bnp_precondition.default
 #: kernel), without torch.ops's conversion of every argument, host time each eager step pays
 #: per operator. Compiled code never calls these (it traces ATen calls, and ``snapshot``).
 FAST_CALLS = ("cbn_plan", "backward_sums", "batch_norm_backward_elemt", "batch_norm_update_stats",
-              "bnp_precondition")
+              "bnp_precondition", "batch_norm_elemt", "batch_norm_backward_reduce")
 
 
 def _take_fast_calls(bindings: ModuleType) -> None:

@@ -110,9 +110,10 @@ def normalize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
             use_batch = running_mean is None or running_var is None
             return torch.batch_norm(x, weight, bias, running_mean, running_var, use_batch, 0.0, state.eps, False)
         return cbn_inference(x, weight, bias, buffers, eta, state)
-    if state.group() is None:
+    group = state.group()
+    if group is None:
         _check_local_batch(x, state.name)
-    return _functions.normalize(x, weight, bias, buffers, eta, state)
+    return _functions.normalize(x, weight, bias, buffers, eta, state, group)
 
 
 def normalize_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, buffers: CBNBuffers,
@@ -132,9 +133,10 @@ def normalize_parts(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, b
     if x.requires_grad:
         raise ValueError(f"{state.name}: normalize_parts computes no input gradient, but the input requires one; "
                          "call normalize instead")
-    if state.group() is None:
+    group = state.group()
+    if group is None:
         _check_local_batch(x, state.name)
-    return _functions.normalize_parts(x, weight, bias, buffers, _eta_tensor(eta, buffers, x), state)
+    return _functions.normalize_parts(x, weight, bias, buffers, _eta_tensor(eta, buffers, x), state, group)
 
 
 def sync_batch_norm(  # torch.nn.functional.batch_norm's arguments, then where to synchronize

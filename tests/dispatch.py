@@ -54,6 +54,10 @@ def _cpu_twin() -> Any:
 
 _CPU_TWIN = _cpu_twin()
 _BACKWARD_ELEMT = {aten.batch_norm_backward_elemt.default, _CPU_TWIN}
+#: The forward's output and the backward's local sums on the CPU: distnorm's operators with the
+#: schemas of CUDA's batch_norm_elemt and batch_norm_backward_reduce, checked against their contracts.
+_ELEMT_TWIN = torch.ops.distnorm.batch_norm_elemt.default
+_REDUCE_TWIN = torch.ops.distnorm.batch_norm_backward_reduce.default
 #: The forward's statistics: ATen's, and on the CPU distnorm's operator of the same schema
 #: (distnorm._cpu_kernels), which receives exactly the arguments the CUDA path gives ATen's.
 _UPDATE_STATS = {aten.batch_norm_update_stats.default, torch.ops.distnorm.batch_norm_update_stats.default}
@@ -163,6 +167,25 @@ class CudaContractChecker(TorchDispatchMode):
         if func in _BACKWARD_ELEMT and (func is _CPU_TWIN or args[1].is_cuda):
             self.calls[str(func)] += 1
             self._backward_elemt(func, *args[:8])
+        elif func is _ELEMT_TWIN:  # batch_norm_elemt_cuda (batch_norm_elemt_cuda_template)
+            self.calls[str(func)] += 1
+            x, weight, bias, mean, invstd, _ = args
+            acc, c = _acc(x.dtype), x.shape[1]
+            self._input(func, x)
+            for name, t in (("weight", weight), ("bias", bias), ("mean", mean), ("invstd", invstd)):
+                self._per_channel(func, name, t, c, acc)
+        elif func is _REDUCE_TWIN:  # batch_norm_backward_reduce_cuda
+            self.calls[str(func)] += 1
+            grad_out, x, mean, invstd, weight, _, weight_g, bias_g = args
+            acc, c = _acc(x.dtype), x.shape[1]
+            self._input(func, x)
+            if tuple(grad_out.shape) != tuple(x.shape) or grad_out.dtype != x.dtype:
+                self._fail(func, "grad_out and input differ in shape or dtype")
+            for name, t in (("mean", mean), ("invstd", invstd), ("weight", weight)):
+                self._per_channel(func, name, t, c, acc)
+            # it takes grad_weight / grad_bias options from weight
+            if (weight_g or bias_g) and weight is None:
+                self._fail(func, "weight undefined while weight/bias gradients are requested")
         elif func in CUDA_ONLY:
             self._fail(func, "CUDA-only kernel: the CPU path would differ")
         elif func is aten.native_batch_norm.default:

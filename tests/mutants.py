@@ -1161,7 +1161,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cpu-plan-kernel-formula",
         "the CPU's C kernel of CBN's per-channel step computes the composite's values",
-        "distnorm/_cpu_kernels.py",
+        "distnorm/csrc/kernels.c",
         "            d = beta - delta * eta;\n",
         "            d = beta + delta * eta;\n",
         ("tests/test_fused.py::test_cpu_plan_kernel_equals_composite",),
@@ -1169,10 +1169,26 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "cpu-param-grads-kernel-formula",
         "the CPU's C kernels of the backward's per-channel operators compute the composite's values",
-        "distnorm/_cpu_kernels.py",
+        "distnorm/csrc/kernels.c",
         "        grad_bias[c] = (s1[c] + (-1.0f * beta_coef[c]) * t[c]) * a[c];\n",
         "        grad_bias[c] = (s1[c] + beta_coef[c] * t[c]) * a[c];\n",
         ("tests/test_fused.py::test_cpu_backward_kernel_equals_composite",),
+    ),
+    Mutant(
+        "cpu-output-kernel-formula",
+        "the CPU's C kernel of the forward's output computes CUDA's batch_norm_elemt",
+        "distnorm/csrc/kernels.c",
+        "        k[c] = weight ? invstd[c] * weight[c] : invstd[c];                                            \\\n",
+        "        k[c] = weight ? weight[c] : invstd[c];                                                        \\\n",
+        ("tests/test_fused.py::test_cpu_output_kernel_is_cudas_formula",),
+    ),
+    Mutant(
+        "cpu-sums-kernel-uncentered",
+        "the CPU's C kernel of the backward's local sums computes CUDA's batch_norm_backward_reduce",
+        "distnorm/csrc/kernels.c",
+        "                    ACC gv = LOAD(gr[k]), d = LOAD(xr[k]) - mean[c0 + k];                            \\\n",
+        "                    ACC gv = LOAD(gr[k]), d = LOAD(xr[k]);                                           \\\n",
+        ("tests/test_fused.py::test_cpu_sums_kernel_is_cudas_reduce",),
     ),
     Mutant(
         "bnp-kernel-unused",
@@ -1193,7 +1209,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "bnp-kernel-group-rows",
         "BNP's C kernel computes the transform of the explicit matrices (grouped convolutions)",
-        "distnorm/_cpu_kernels.py",
+        "distnorm/csrc/kernels.c",
         "        const T* m = mu_k + (d / rows_per_group) * row_len;                                           \\\n",
         "        const T* m = mu_k;                                                                            \\\n",
         ("tests/test_bnp.py::test_transform_equals_explicit_matrices",),
@@ -1201,7 +1217,7 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "bnp-kernel-bias-sum",
         "BNP's C kernel computes the transform of the explicit matrices (the bias's row sum)",
-        "distnorm/_cpu_kernels.py",
+        "distnorm/csrc/kernels.c",
         "        out_b[d] = (T)((double)(g / q2) - fold(acc));                                                 \\\n",
         "        out_b[d] = (T)((double)(g / q2) + fold(acc));                                                 \\\n",
         ("tests/test_bnp.py::test_the_cpu_kernel_preconditions_in_one_pass_over_the_weight_gradient",),

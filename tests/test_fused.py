@@ -462,6 +462,117 @@ def test_cpu_channels_last_statistics_are_the_c_loops_and_exact():
         torch.testing.assert_close(var.double(), rows.var(1, unbiased=False), rtol=1e-6, atol=0)
 
 
+def _layout_pair(layout: str, dtype: torch.dtype, gen: torch.Generator, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    """An input and a gradient of the named layout (a sliced input with a dense gradient)."""
+    shape = {"2d": (9 * batch, C), "3d": (batch, C, 7), "4d": (batch, C, 3, 5), "channels_last": (batch, C, 3, 5),
+             "channels_last_3d": (batch, C, 2, 3, 2), "sliced": (batch, C, 3, 10)}[layout]
+    x, g = (torch.randn(*shape, generator=gen) * 3 + 1 for _ in range(2))
+    if layout.startswith("channels_last"):
+        fmt = torch.channels_last if layout == "channels_last" else torch.channels_last_3d
+        x, g = x.to(memory_format=fmt), g.to(memory_format=fmt)
+    if layout == "sliced":
+        x, g = x[..., ::2], g[..., ::2].contiguous()
+    return x.to(dtype), g.to(dtype)
+
+
+def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return t.double().view([1, -1] + [1] * (x.dim() - 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cpu_output_kernel_is_cudas_formula(dtype):
+    """``distnorm::batch_norm_elemt`` (the forward's output on the CPU) computes CUDA's
+    ``(x - mean) * invstd * weight + bias`` in every layout, within one rounding of the
+    input's dtype of the float64 value, in the input's memory format; without weight or bias
+    they are 1 and 0."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    for layout in ("2d", "3d", "4d", "channels_last", "channels_last_3d", "sliced"):
+        x, _ = _layout_pair(layout, dtype, gen)
+        mean, weight, bias = (torch.randn(C, generator=gen, dtype=acc) for _ in range(3))
+        invstd = torch.rand(C, generator=gen, dtype=acc) + 0.5
+        for w, b in ((weight, bias), (None, None)):
+            got = torch.ops.distnorm.batch_norm_elemt(x, w, b, mean, invstd, 1e-5)
+            want = (x.double() - _per_channel(mean, x)) * _per_channel(invstd, x)
+            if w is not None:
+                want = want * _per_channel(w, x) + _per_channel(b, x)
+            # one rounding of the float32 (float64) value to the input's dtype, and float32's own
+            tol = torch.finfo(dtype).eps * want.abs() + 4 * torch.finfo(acc).eps * (want.abs() + 1)
+            assert ((got.double() - want).abs() <= tol).all(), (layout, dtype, w is None)
+            assert got.dtype == dtype and got.shape == x.shape
+            assert got.is_contiguous(memory_format=_cpu_kernels.memory_format(x)), layout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_cpu_sums_kernel_is_cudas_reduce(dtype):
+    """``distnorm::batch_norm_backward_reduce`` (the backward's local sums on the CPU) returns
+    what CUDA's does -- ``sum(g)`` and ``sum(g (x - mean))`` where ``input_g``, their weight and
+    bias gradients (``* invstd``; in the weight's dtype) where asked, None elsewhere -- within
+    float rounding of the float64 sums, in every layout; and a channels-last input from ATen's
+    grain up (ATen's reduction) the same."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    cases = [_layout_pair(layout, dtype, gen) for layout in ("2d", "3d", "4d", "channels_last",
+                                                             "channels_last_3d", "sliced")]
+    cases.append(_layout_pair("channels_last", dtype, gen, batch=32768 // (C * 15) + 1))  # from the grain up
+    for x, g in cases:
+        mean = torch.randn(C, generator=gen, dtype=acc)
+        invstd = torch.rand(C, generator=gen, dtype=acc) + 0.5
+        dims = [0, *range(2, x.dim())]
+        s1 = g.double().sum(dims)
+        s2 = (g.double() * (x.double() - _per_channel(mean, x))).sum(dims)
+        bound = 8 * torch.finfo(acc).eps * (g.double().abs() * (x.double().abs() + 2)).sum(dims)
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.ops.distnorm.batch_norm_backward_reduce(
+            g, x, mean, invstd, invstd, True, True, True)
+        for got, want in ((sum_dy, s1), (sum_dy_xmu, s2), (grad_weight, s2 * invstd.double()), (grad_bias, s1)):
+            assert got.dtype == acc and ((got.double() - want).abs() <= bound).all(), (x.shape, dtype)
+        assert torch.equal(grad_bias, sum_dy) and grad_bias.data_ptr() != sum_dy.data_ptr()  # never an alias
+        only = torch.ops.distnorm.batch_norm_backward_reduce(g, x, mean, invstd, invstd, False, True, False)
+        assert only[0] is None and only[1] is None and only[3] is None
+        assert torch.equal(only[2], grad_weight)
+
+
+def test_cpu_sums_kernel_bits_do_not_depend_on_the_thread_count():
+    """The backward's local sums (the C loop: partial sums per channel in a fixed order, one
+    channel or block of channels per thread) are the same bits on 1 thread as on 2, above the
+    grain (where the loop runs on every thread) and below it."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    for shape in ((64, C, 30, 30), (2, C, 3, 5)):
+        x, g = (torch.randn(*shape, generator=gen) for _ in range(2))
+        mean, invstd = torch.randn(C, generator=gen), torch.rand(C, generator=gen) + 0.5
+        results = []
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                results.append(torch.ops.distnorm.batch_norm_backward_reduce(g, x, mean, invstd, invstd,
+                                                                             True, True, True))
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(a, b) for a, b in zip(*results)), shape
+
+
+def test_eager_steps_call_the_operators_through_the_dispatcher_handles():
+    """Once the C++ library is loaded, ``distnorm._ops``'s operators are its bindings
+    (``csrc/bindings.cpp``): the same operator reached through the dispatcher -- a
+    TorchDispatchMode sees it, the profiler records it, every device's kernel answers (the
+    composite for the meta device here) -- with the results of ``torch.ops``'s call."""
+    from distnorm import _ops
+    from tests.dispatch import OpCounter
+
+    _cpu_kernels.library()
+    args = _backward_args()
+    for name in _ops.FAST_CALLS:
+        assert getattr(_ops, name) is not getattr(torch.ops.distnorm, name).default, name
+    with OpCounter() as counter:
+        fast = _ops.backward_sums(*args, "cpu")
+    assert counter.ops == ["distnorm.backward_sums.default"]
+    slow = torch.ops.distnorm.backward_sums.default(*args, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))
+    meta = _ops.backward_sums(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args), "composite")
+    assert meta[0].device.type == "meta" and meta[0].shape == (2, C)
+
+
 def _layer_grads(kind: str, dtype: torch.dtype, channels_last: bool) -> list[torch.Tensor]:
     torch.manual_seed(0)
     layer = {"cbn": lambda: distnorm.CBN(6, rho=1.5), "popnorm": lambda: distnorm.POPNorm(6),

@@ -19,8 +19,11 @@ import distnorm
 from distnorm import functional
 from tests.dispatch import CudaContractChecker
 
-#: The backward's element-wise kernel of the CPU, with the arguments CUDA's takes.
+#: The CPU's kernels with the arguments CUDA's take: the backward's element-wise pass, the
+#: forward's output and the backward's local sums.
 ELEMT = "distnorm.batch_norm_backward_elemt.default"
+OUTPUT = "distnorm.batch_norm_elemt.default"
+SUMS = "distnorm.batch_norm_backward_reduce.default"
 from tests.distributed import run_distributed
 
 LAYERS = {
@@ -71,15 +74,19 @@ def _exercise(layer: nn.Module, dtype: torch.dtype, x: torch.Tensor, lr: float) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_every_call_meets_the_cuda_kernel_contract(kind, dtype):
     """Every batch-norm kernel call a layer makes, in every layout, with and without AMAT
-    history, meets the CUDA kernels' argument contract, and the paths are taken (ATen's
-    backward once; the one-pass element-wise backward where it applies). Before,
+    history, meets the CUDA kernels' argument contract, and the paths are taken (the output
+    and the local sums once each, by the CPU's twins of CUDA's kernels, unsynchronized BN's
+    backward by ATen's; the one-pass element-wise backward where it applies). Before,
     native_batch_norm_backward was called with undefined save_mean / weight: every CUDA
     backward failed with 'save_mean should always be defined'."""
     for layout in LAYOUTS:
         for lr in (0.2, 0.01):  # no AMAT history, history
             checker = _exercise(LAYERS[kind](6), dtype, _layout(layout, 6), lr)
             assert checker.violations == [], (layout, lr, checker.violations)
-            assert checker.calls["aten.native_batch_norm_backward.default"] == 1, layout  # the path was taken
+            local_bn = kind.startswith("syncbn")  # one process: ATen's training backward
+            assert checker.calls[OUTPUT] == 1, layout  # the paths were taken
+            assert checker.calls[SUMS] == (0 if local_bn else 1), layout
+            assert checker.calls["aten.native_batch_norm_backward.default"] == (1 if local_bn else 0), layout
             # the one-pass element-wise backward (CUDA's kernel, here its CPU twin), checked
             # against CUDA's contract; unsynchronized BN runs ATen's training backward instead
             assert checker.calls[ELEMT] == (0 if kind.startswith("syncbn") else 1), layout

@@ -41,6 +41,9 @@ using PlanSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>
 using SumsSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                                          const Tensor&, const Tensor&, double,
                                                                          c10::string_view);
+using AffineSignature = Tensor(const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const Tensor&, double);
+using ReduceSignature = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                                   const Tensor&, const OptTensor&, bool, bool, bool);
 using TransformSignature = std::tuple<Tensor, Tensor>(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
                                                       const Tensor&, c10::SymInt, c10::string_view);
 
@@ -55,6 +58,20 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out, const Tensor& x, const 
                                  const Tensor& count) {
   static const auto op = handle<ElemtSignature>("distnorm::batch_norm_backward_elemt");
   return op.call(grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count);
+}
+
+Tensor batch_norm_elemt(const Tensor& x, const OptTensor& weight, const OptTensor& bias, const Tensor& mean,
+                        const Tensor& invstd, double eps) {
+  static const auto op = handle<AffineSignature>("distnorm::batch_norm_elemt");
+  return op.call(x, weight, bias, mean, invstd, eps);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_backward_reduce(const Tensor& grad_out, const Tensor& x,
+                                                                      const Tensor& mean, const Tensor& invstd,
+                                                                      const OptTensor& weight, bool input_g,
+                                                                      bool weight_g, bool bias_g) {
+  static const auto op = handle<ReduceSignature>("distnorm::batch_norm_backward_reduce");
+  return op.call(grad_out, x, mean, invstd, weight, input_g, weight_g, bias_g);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> cbn_plan(
@@ -91,4 +108,6 @@ PYBIND11_MODULE(_cpu_ops, m) {
   m.def("cbn_plan", &cbn_plan, released);
   m.def("backward_sums", &backward_sums, released);
   m.def("bnp_precondition", &bnp_precondition, released);
+  m.def("batch_norm_elemt", &batch_norm_elemt, released);
+  m.def("batch_norm_backward_reduce", &batch_norm_backward_reduce, released);
 }

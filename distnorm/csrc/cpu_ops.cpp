@@ -1,5 +1,5 @@
 // distnorm's operators on the CPU, registered under the CPU dispatch key: the C kernels of
-// distnorm/_cpu_kernels.py's SOURCE (compiled as C and linked into this library) called with no
+// distnorm/csrc/kernels.c (compiled as C and linked into this library) called with no
 // Python between the dispatcher and the loop. distnorm/_cpu_kernels.py builds and loads this file.
 //
 // Each function is the C++ twin of the Python wrapper it replaced (the same checks, outputs and
@@ -9,18 +9,22 @@
 // goes to the operator's Python implementation for the CPU, declared in distnorm/_ops.py as
 // distnorm::_<name>_cpu, so no case is decided twice.
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/batch_norm_update_stats.h>
+#include <ATen/ops/native_batch_norm_backward.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 extern "C" {
 #define ELEMT_DECL(NAME, T, ACC)                                                                     \
@@ -31,6 +35,20 @@ ELEMT_DECL(elemt_f32, float, float)
 ELEMT_DECL(elemt_f64, double, double)
 ELEMT_DECL(elemt_bf16, uint16_t, float)
 ELEMT_DECL(elemt_f16, uint16_t, float)  // _Float16 in C: the same 16 bits
+#define AFFINE_DECL(NAME, T, ACC)                                                                     \
+  void NAME(const T* x, T* out, const ACC* mean, const ACC* invstd, const ACC* weight, const ACC* bias, int64_t C, \
+            int64_t inner, int64_t numel, int threads, ACC* coef);
+AFFINE_DECL(affine_f32, float, float)
+AFFINE_DECL(affine_f64, double, double)
+AFFINE_DECL(affine_bf16, uint16_t, float)
+AFFINE_DECL(affine_f16, uint16_t, float)
+#define REDUCE_DECL(NAME, T, ACC)                                                                     \
+  void NAME(const T* g, const T* x, const ACC* mean, ACC* sum_dy, ACC* sum_dy_xmu, int64_t C, int64_t inner,   \
+            int64_t numel, int threads);
+REDUCE_DECL(reduce_f32, float, float)
+REDUCE_DECL(reduce_f64, double, double)
+REDUCE_DECL(reduce_bf16, uint16_t, float)
+REDUCE_DECL(reduce_f16, uint16_t, float)
 void stats_f32(const float* x, float* mean_out, float* var_out, int64_t C, int64_t inner, int64_t numel,
                int threads);
 void stats_f32_cl(const float* x, float* mean_out, float* var_out, int64_t C, int64_t rows, int threads);
@@ -64,6 +82,24 @@ template <typename T>
 const T* ptr_or_null(const OptTensor& t) {
   return t.has_value() && t->defined() ? static_cast<const T*>(t->data_ptr()) : nullptr;
 }
+
+// A new CPU tensor for an operator's output, allocated without a trip through the dispatcher
+// (at::empty's, a cost paid per output at every call of these small operators).
+Tensor vec(c10::IntArrayRef size, at::ScalarType dtype) {
+  return Tensor(at::detail::empty_cpu(size, dtype));
+}
+
+// Scratch memory for a C loop's per-channel coefficients: n values of float or double (read by
+// nothing else, so not a tensor).
+struct Scratch {
+  explicit Scratch(int64_t n) : values(static_cast<size_t>(n)) {}
+  template <typename T>
+  T* as() {
+    static_assert(sizeof(T) <= sizeof(double));
+    return reinterpret_cast<T*>(values.data());
+  }
+  std::vector<double> values;
+};
 
 // t itself when it is of `dtype` and contiguous, else a contiguous copy in `dtype`.
 Tensor dense(const Tensor& t, at::ScalarType dtype) {
@@ -131,7 +167,7 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
   const Tensor mean_ = dense(mean, acc), invstd_ = dense(invstd, acc), sum_dy_ = dense(sum_dy, acc),
                sum_dy_xmu_ = dense(sum_dy_xmu, acc);
   Tensor out = at::empty_like(x);
-  Tensor coef = at::empty({3 * channels}, at::TensorOptions().dtype(acc));
+  Scratch coef(3 * channels);
   const int64_t total = count.numel() > 1 ? count.sum().item<int64_t>() : count.item<int64_t>();
   const int64_t numel = x.numel();
   const int threads = threads_for(numel);
@@ -139,19 +175,19 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
     case at::kFloat:
       elemt_f32(ptr<float>(grad_out), ptr<float>(x), ptr<float>(out), ptr<float>(mean_), ptr<float>(invstd_),
                 ptr<float>(weight), ptr<float>(sum_dy_), ptr<float>(sum_dy_xmu_), total, channels, inner, numel,
-                threads, ptr<float>(coef));
+                threads, coef.as<float>());
       break;
     case at::kDouble:
       elemt_f64(ptr<double>(grad_out), ptr<double>(x), ptr<double>(out), ptr<double>(mean_), ptr<double>(invstd_),
                 ptr<double>(weight), ptr<double>(sum_dy_), ptr<double>(sum_dy_xmu_), total, channels, inner, numel,
-                threads, ptr<double>(coef));
+                threads, coef.as<double>());
       break;
     case at::kBFloat16:
     case at::kHalf: {
       auto kernel = x.scalar_type() == at::kBFloat16 ? elemt_bf16 : elemt_f16;
       kernel(ptr<uint16_t>(grad_out), ptr<uint16_t>(x), ptr<uint16_t>(out), ptr<float>(mean_), ptr<float>(invstd_),
              ptr<float>(weight), ptr<float>(sum_dy_), ptr<float>(sum_dy_xmu_), total, channels, inner, numel,
-             threads, ptr<float>(coef));
+             threads, coef.as<float>());
       break;
     }
     default:
@@ -159,6 +195,122 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
                        "not ", x.scalar_type());
   }
   return out;
+}
+
+template <typename T>
+void scale(const T* v, const T* factor, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = v[i] * factor[i];
+}
+
+// The accumulation dtype of an input: float64 for float64, else float32.
+at::ScalarType acc_of(const Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_floating(const Tensor& x, const char* op) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+                   "distnorm::", op, ": a float32, float64, bfloat16 or float16 input, not ", dtype);
+}
+
+// distnorm::batch_norm_elemt: the forward's output, y = (x - mean) * invstd * weight + bias per
+// channel, with the schema and formula of ATen's CUDA batch_norm_elemt (kernels.c: AFFINE),
+// in one pass. A strided input is made contiguous first; the output has the input's layout.
+Tensor batch_norm_elemt(const Tensor& x_in, const OptTensor& weight, const OptTensor& bias, const Tensor& mean,
+                        const Tensor& invstd, double /*eps: unused, as by CUDA's kernel*/) {
+  check_floating(x_in, "batch_norm_elemt");
+  const Tensor x = dense_inner(x_in) < 0 ? x_in.contiguous() : x_in;
+  const int64_t channels = x.size(1), inner = dense_inner(x), numel = x.numel();
+  const auto acc = acc_of(x);
+  Tensor out = at::empty_like(x);
+  if (numel == 0) return out;
+  const Tensor mean_ = dense(mean, acc), invstd_ = dense(invstd, acc);
+  const bool has_weight = weight.has_value() && weight->defined(), has_bias = bias.has_value() && bias->defined();
+  const Tensor weight_ = has_weight ? dense(*weight, acc) : Tensor(), bias_ = has_bias ? dense(*bias, acc) : Tensor();
+  Scratch coef(2 * channels);
+  const int threads = threads_for(numel);
+  if (acc == at::kDouble) {
+    affine_f64(ptr<double>(x), ptr<double>(out), ptr<double>(mean_), ptr<double>(invstd_),
+               has_weight ? ptr<double>(weight_) : nullptr, has_bias ? ptr<double>(bias_) : nullptr, channels, inner,
+               numel, threads, coef.as<double>());
+    return out;
+  }
+  const float *m = ptr<float>(mean_), *is = ptr<float>(invstd_);
+  const float *w = has_weight ? ptr<float>(weight_) : nullptr, *b = has_bias ? ptr<float>(bias_) : nullptr;
+  if (x.scalar_type() == at::kFloat)
+    affine_f32(ptr<float>(x), ptr<float>(out), m, is, w, b, channels, inner, numel, threads, coef.as<float>());
+  else
+    (x.scalar_type() == at::kBFloat16 ? affine_bf16 : affine_f16)(ptr<uint16_t>(x), ptr<uint16_t>(out), m, is, w, b,
+                                                                   channels, inner, numel, threads, coef.as<float>());
+  return out;
+}
+
+// distnorm::batch_norm_backward_reduce: the backward's local sums with the schema and results of
+// ATen's CUDA batch_norm_backward_reduce: (sum_dy, sum_dy_xmu) where input_g, grad_weight =
+// sum_dy_xmu * invstd where weight_g (the weight's dtype, as CUDA's), grad_bias = sum_dy where
+// bias_g; the others undefined. The sums are the C loops' (kernels.c: REDUCE), except for a
+// channels-last input from ATen's grain up, where ATen's parallel reduction is the faster: there
+// they come from ATen's CPU batch-norm backward, given invstd = 1 so that its weight gradient is
+// sum_dy_xmu itself.
+std::tuple<Tensor, Tensor, Tensor, Tensor> batch_norm_backward_reduce(const Tensor& grad_out_in, const Tensor& x_in,
+                                                                      const Tensor& mean, const Tensor& invstd,
+                                                                      const OptTensor& weight, bool input_g,
+                                                                      bool weight_g, bool bias_g) {
+  check_floating(x_in, "batch_norm_backward_reduce");
+  Tensor x = x_in, grad_out = grad_out_in;
+  if (dense_inner(x) < 0 || x.strides() != grad_out.strides()) {
+    const auto layout = layout_of(grad_out);
+    x = x.contiguous(layout);
+    grad_out = grad_out.contiguous(layout);
+  }
+  const int64_t channels = x.size(1), inner = dense_inner(x), numel = x.numel();
+  const auto acc = acc_of(x);
+  const auto options = at::TensorOptions().dtype(acc);
+  const Tensor mean_ = dense(mean, acc), invstd_ = dense(invstd, acc);
+  Tensor sum_dy, sum_dy_xmu;
+  if (numel == 0) {
+    sum_dy = at::zeros({channels}, options);
+    sum_dy_xmu = at::zeros({channels}, options);
+  } else if (inner == 1 && x.dim() > 2 && numel >= kGrain) {
+    const Tensor one = at::ones({channels}, options);
+    auto sums = at::native_batch_norm_backward(grad_out, x, one, {}, {}, mean_, one, true, 0.0, {false, true, true});
+    sum_dy_xmu = std::get<1>(sums);
+    sum_dy = std::get<2>(sums);
+  } else {
+    sum_dy = vec({channels}, acc);
+    sum_dy_xmu = vec({channels}, acc);
+    const int threads = threads_for(numel);
+    switch (x.scalar_type()) {
+      case at::kFloat:
+        reduce_f32(ptr<float>(grad_out), ptr<float>(x), ptr<float>(mean_), ptr<float>(sum_dy), ptr<float>(sum_dy_xmu),
+                   channels, inner, numel, threads);
+        break;
+      case at::kDouble:
+        reduce_f64(ptr<double>(grad_out), ptr<double>(x), ptr<double>(mean_), ptr<double>(sum_dy),
+                   ptr<double>(sum_dy_xmu), channels, inner, numel, threads);
+        break;
+      default:
+        (x.scalar_type() == at::kBFloat16 ? reduce_bf16 : reduce_f16)(
+            ptr<uint16_t>(grad_out), ptr<uint16_t>(x), ptr<float>(mean_), ptr<float>(sum_dy), ptr<float>(sum_dy_xmu),
+            channels, inner, numel, threads);
+    }
+  }
+  const auto dtype = weight.has_value() && weight->defined() ? weight->scalar_type() : acc;
+  Tensor grad_weight, grad_bias;
+  if (weight_g) {
+    grad_weight = vec({channels}, acc);
+    if (acc == at::kDouble)
+      scale(ptr<double>(sum_dy_xmu), ptr<double>(invstd_), ptr<double>(grad_weight), channels);
+    else
+      scale(ptr<float>(sum_dy_xmu), ptr<float>(invstd_), ptr<float>(grad_weight), channels);
+    grad_weight = grad_weight.to(dtype);
+  }
+  if (bias_g) grad_bias = input_g ? sum_dy.to(dtype, false, /*copy=*/true) : sum_dy.to(dtype);  // never sum_dy's alias
+  if (!input_g) {
+    sum_dy = Tensor();
+    sum_dy_xmu = Tensor();
+  }
+  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
 }
 
 // distnorm::batch_norm_update_stats: a float32 input without running buffers takes the C
@@ -179,8 +331,7 @@ std::tuple<Tensor, Tensor> batch_norm_update_stats(const Tensor& x, const OptTen
       x.numel() < kGrain && !x.is_contiguous() && layout_of(x) != at::MemoryFormat::Contiguous;
   if (x.scalar_type() != at::kFloat || has_running || x.numel() == 0 || !(contiguous || channels_last))
     return at::batch_norm_update_stats(x, running_mean, running_var, momentum);
-  Tensor mean = at::empty({channels}, at::TensorOptions().dtype(at::kFloat));
-  Tensor var = at::empty({channels}, at::TensorOptions().dtype(at::kFloat));
+  Tensor mean = vec({channels}, at::kFloat), var = vec({channels}, at::kFloat);
   if (contiguous)
     stats_f32(ptr<float>(x), ptr<float>(mean), ptr<float>(var), channels, inner, x.numel(), threads_for(x.numel()));
   else
@@ -233,16 +384,15 @@ PlanResult cbn_plan(const Tensor& mean, const Tensor& var, const OptTensor& coun
     return fallback.redispatch(kCpu, mean, var, count, valid, weight, bias, eta, buffers, std::move(host_count_sym),
                                hyper, momentum, amat_ready, kernel);
   }
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const Tensor count_ = count.has_value() && count->defined() ? count->contiguous() : Tensor();
   const Tensor weight_ = dense(weight, at::kFloat), bias_ = dense(bias, at::kFloat);
   const Tensor eta_ = eta.has_value() && eta->defined() ? dense(*eta, at::kFloat) : Tensor();
   const Tensor mean_ = mean.contiguous(), var_ = var.contiguous();
   const double eps = hyper[0], rho = hyper[1], r_max = hyper[2];
   const int64_t channels = mean.size(0);
-  Tensor center = at::empty({channels}, f32), var_u = at::empty({channels}, f32), invstd = at::empty({channels}, f32),
-         a = at::empty({channels}, f32), beta_coef = at::empty({channels}, f32);
-  Tensor grad_coef = at::empty({2, 2, channels}, f32);
+  Tensor center = vec({channels}, at::kFloat), var_u = vec({channels}, at::kFloat),
+         invstd = vec({channels}, at::kFloat), a = vec({channels}, at::kFloat), beta_coef = vec({channels}, at::kFloat);
+  Tensor grad_coef = vec({2, 2, channels}, at::kFloat);
   const int64_t n = std::max<int64_t>(host_count, 1);
   cbn_plan_f32(ptr<float>(mean_), ptr<float>(var_), count_.defined() ? ptr<float>(count_) : nullptr,
                ptr<float>(weight_), ptr<float>(bias_), eta_.defined() ? ptr<float>(eta_) : nullptr,
@@ -271,12 +421,11 @@ SumsResult backward_sums(const Tensor& s1, const Tensor& t, const Tensor& beta_c
     static const auto fallback = python_cpu<SumsSignature>("distnorm::_backward_sums_cpu");
     return fallback.redispatch(kCpu, s1, t, beta_coef, grad_scale, grad_coef, inv_rho, kernel);
   }
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const int64_t channels = s1.size(0);
-  Tensor sums = at::empty({2, channels}, f32);
-  Tensor grad_weight = at::empty({channels}, f32), grad_bias = at::empty({channels}, f32),
-         w = at::empty({channels}, f32);
-  Tensor count = at::empty({1}, at::TensorOptions().dtype(at::kInt));
+  Tensor sums = vec({2, channels}, at::kFloat);
+  Tensor grad_weight = vec({channels}, at::kFloat), grad_bias = vec({channels}, at::kFloat),
+         w = vec({channels}, at::kFloat);
+  Tensor count = vec({1}, at::kInt);
   const Tensor s1_ = s1.contiguous(), t_ = t.contiguous(), beta_ = beta_coef.contiguous(),
                a_ = grad_scale.contiguous(), coef_ = grad_coef.contiguous();
   backward_sums_f32(ptr<float>(s1_), ptr<float>(t_), ptr<float>(beta_), ptr<float>(a_), ptr<float>(coef_),
@@ -338,6 +487,8 @@ TransformResult bnp_precondition(const Tensor& grad_weight, const OptTensor& gra
 
 TORCH_LIBRARY_IMPL(distnorm, CPU, m) {
   m.impl("batch_norm_backward_elemt", &batch_norm_backward_elemt);
+  m.impl("batch_norm_elemt", &batch_norm_elemt);
+  m.impl("batch_norm_backward_reduce", &batch_norm_backward_reduce);
   m.impl("batch_norm_update_stats", &batch_norm_update_stats);
   m.impl("cbn_plan", &cbn_plan);
   m.impl("backward_sums", &backward_sums);
