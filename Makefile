@@ -38,6 +38,7 @@ system-deps: $(STAMP)
 # TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 test: docs system-deps
+	$(PY) -c "from distnorm import _cpu_kernels; _cpu_kernels.library()"  # the CPU kernels, built once before the tests, not by several of their processes side by side
 	$(PY) -m pytest -q -m "not cluster" $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) \
 		--doctest-modules --ignore=distnorm/train/__main__.py tests distnorm README.md docs $(PYTEST_ARGS)
 
