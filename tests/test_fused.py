@@ -556,7 +556,8 @@ def test_eager_steps_call_the_operators_through_the_dispatcher_handles():
     """Once the C++ library is loaded, ``distnorm._ops``'s operators are its bindings
     (``csrc/bindings.cpp``): the same operator reached through the dispatcher -- a
     TorchDispatchMode sees it, the profiler records it, every device's kernel answers (the
-    composite for the meta device here) -- with the results of ``torch.ops``'s call."""
+    composite for the meta device here) -- with the results of ``torch.ops``'s call, and a
+    kernel's refusal as torch's exception type."""
     from distnorm import _ops
     from tests.dispatch import OpCounter
 
@@ -567,10 +568,17 @@ def test_eager_steps_call_the_operators_through_the_dispatcher_handles():
     with OpCounter() as counter:
         fast = _ops.backward_sums(*args, "cpu")
     assert counter.ops == ["distnorm.backward_sums.default"]
+    assert "distnorm::backward_sums" in _dispatched(lambda: _ops.backward_sums(*args, "cpu"))[1]
     slow = torch.ops.distnorm.backward_sums.default(*args, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(fast, slow))
     meta = _ops.backward_sums(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args), "composite")
     assert meta[0].device.type == "meta" and meta[0].shape == (2, C)
+    # a kernel's refusal arrives as torch's exception type, with its message
+    with pytest.raises(ValueError, match="do not match"):
+        _ops.bnp_precondition(torch.randn(6, 4, 3, 3), torch.randn(6), torch.randn(5), torch.rand(5), torch.tensor(2.0),
+                              1, "cpu")
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16 input"):
+        _ops.batch_norm_elemt(torch.zeros(2, C, dtype=torch.int64), None, None, torch.zeros(C), torch.ones(C), 0.0)
 
 
 def _layer_grads(kind: str, dtype: torch.dtype, channels_last: bool) -> list[torch.Tensor]:
