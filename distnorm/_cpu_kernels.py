@@ -43,8 +43,8 @@ buffers) are ATen's, whose channels-last bits change with the number of threads.
 
 The output and the local sums. ``distnorm::batch_norm_elemt`` computes ``(x - mean) * k + b``
 with ``k = invstd * weight`` per channel (CUDA's formula with its two factors multiplied once per
-channel) in one pass, where ATen's CPU inference batch norm, which the other devices run, spends
-a small layer's step on its setup. ``distnorm::batch_norm_backward_reduce`` sums ``g`` and ``g *
+channel) in one pass, where ATen's CPU inference batch norm (what the CPU runs with
+``DISTNORM_CPU_KERNEL=0``) spends most of a small layer's call on its setup. ``distnorm::batch_norm_backward_reduce`` sums ``g`` and ``g *
 (x - mean)`` per channel in double over partial sums folded in a fixed order, as the statistics
 do: the same bits whatever the number of threads. A channels-last input from ATen's grain up
 takes ATen's parallel backward reduction instead (the statistics' rule).

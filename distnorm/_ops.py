@@ -10,9 +10,10 @@ room that calls one imports the room that declares it.
   launches one kernel where ATen would launch some thirty, and a CPU runs one C loop
   (:mod:`distnorm._cpu_kernels`); their last argument names which (``"composite"``,
   ``"triton"``, ``"cpu"``), as the group agreed (:mod:`distnorm._kernel_choice`).
-* ``distnorm::batch_norm_backward_elemt``, ``batch_norm_update_stats``, ``batch_norm_elemt`` and
-  ``batch_norm_backward_reduce``: CPU kernels with the schemas of ATen's (the CPU has the first
-  two only as other arithmetic, and not the others: :mod:`distnorm._cpu_kernels`).
+* ``distnorm::batch_norm_update_stats``, ``batch_norm_elemt``, ``batch_norm_backward_reduce``
+  and ``batch_norm_backward_elemt``: CPU kernels with the schemas of ATen's (the statistics:
+  ATen's CPU arithmetic in fewer cycles; the other three exist in ATen for CUDA only:
+  :mod:`distnorm._cpu_kernels`).
 * ``distnorm::bnp_precondition``: BNP's gradient transform in one pass over the weight
   gradient, registered as the per-channel steps are (the C kernel under ``CPU``, Triton's
   under ``CUDA``, the composite for every device; the maths:
@@ -122,7 +123,7 @@ def _batch_norm_elemt_fake(x: Tensor, *_: Any) -> Tensor:
 
 
 def _batch_norm_backward_reduce_fake(grad_out: Tensor, x: Tensor, mean: Tensor, *_: Any) -> tuple[Tensor, ...]:
-    return tuple(torch.empty_like(mean) for _ in range(4))
+    return tuple(torch.empty_like(mean) for _ in range(4))  # (the kernel leaves the outputs not asked for undefined)
 
 
 _LIB.define("batch_norm_elemt(Tensor input, Tensor? weight, Tensor? bias, Tensor mean, Tensor invstd, float eps) "
@@ -149,8 +150,8 @@ _LIB.impl("bnp_precondition", _kernels.bnp_precondition_cuda, "CUDA")
 # built by distnorm._cpu_kernels), at the first step that asks for them and registered under the
 # CPU key when they load, so a call goes from the dispatcher to the loop with no Python between.
 # Until then the CPU key holds a Python function that loads them (the first call that names
-# the C kernel, kernel="cpu", or the two operators with ATen's schemas, which only the C
-# kernels implement) and calls the operator again; every other case runs the Python
+# the C kernel, kernel="cpu", or one of the four operators with ATen's schemas, which only the
+# C kernels implement) and calls the operator again; every other case runs the Python
 # implementation of the CPU (distnorm._kernels: the composite, or Triton's interpreter).
 # That implementation is also declared as the private operator distnorm::_<name>_cpu, which
 # the C++ kernels call for the cases they do not take.
