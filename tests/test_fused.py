@@ -391,6 +391,19 @@ def _cuda_formula(g, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count) -> torc
     return ((g.to(acc) - view(m_dy) - (x.to(acc) - view(mean)) * view(k1)) * view(k2)).to(x.dtype)
 
 
+def _layout_pair(layout: str, dtype: torch.dtype, gen: torch.Generator, batch: int = 2) -> tuple[torch.Tensor, ...]:
+    """An input and a gradient of the named layout (a sliced input with a dense gradient)."""
+    shape = {"2d": (9, C), "3d": (batch, C, 7), "4d": (batch, C, 3, 5), "channels_last": (batch, C, 3, 5),
+             "channels_last_3d": (batch, C, 2, 3, 2), "sliced": (batch, C, 3, 10)}[layout]
+    x, g = (torch.randn(*shape, generator=gen) * 3 + 1 for _ in range(2))
+    if layout.startswith("channels_last"):
+        fmt = torch.channels_last if layout == "channels_last" else torch.channels_last_3d
+        x, g = x.to(memory_format=fmt), g.to(memory_format=fmt)
+    if layout == "sliced":
+        x, g = x[..., ::2], g[..., ::2].contiguous()
+    return x.to(dtype), g.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_cpu_backward_elemt_is_the_cuda_kernel(dtype):
     """``distnorm::batch_norm_backward_elemt`` (the CPU kernel, :mod:`distnorm._cpu_kernels`)
@@ -400,15 +413,7 @@ def test_cpu_backward_elemt_is_the_cuda_kernel(dtype):
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     gen = torch.Generator().manual_seed(0)
     for layout in ("2d", "3d", "4d", "channels_last", "channels_last_3d", "sliced"):
-        shape = {"2d": (9, C), "3d": (3, C, 7), "4d": (2, C, 3, 5), "channels_last": (2, C, 3, 5),
-                 "channels_last_3d": (2, C, 2, 3, 2), "sliced": (2, C, 3, 10)}[layout]
-        x, g = (torch.randn(*shape, generator=gen) * 3 + 1 for _ in range(2))
-        if layout.startswith("channels_last"):
-            fmt = torch.channels_last if layout == "channels_last" else torch.channels_last_3d
-            x, g = x.to(memory_format=fmt), g.to(memory_format=fmt)
-        if layout == "sliced":
-            x, g = x[..., ::2], g[..., ::2].contiguous()
-        x, g = x.to(dtype), g.to(dtype)
+        x, g = _layout_pair(layout, dtype, gen)
         vectors = [torch.randn(C, generator=gen, dtype=acc) for _ in range(5)]
         count = torch.tensor([40, 13], dtype=torch.int32)
         got = torch.ops.distnorm.batch_norm_backward_elemt(g, x, *vectors, count)
@@ -460,19 +465,6 @@ def test_cpu_channels_last_statistics_are_the_c_loops_and_exact():
         half_ulp = torch.finfo(torch.float32).eps * rows.mean(1).abs() / 2
         assert ((mean.double() - rows.mean(1)).abs() <= half_ulp).all(), shape
         torch.testing.assert_close(var.double(), rows.var(1, unbiased=False), rtol=1e-6, atol=0)
-
-
-def _layout_pair(layout: str, dtype: torch.dtype, gen: torch.Generator, batch: int = 2) -> tuple[torch.Tensor, ...]:
-    """An input and a gradient of the named layout (a sliced input with a dense gradient)."""
-    shape = {"2d": (9 * batch, C), "3d": (batch, C, 7), "4d": (batch, C, 3, 5), "channels_last": (batch, C, 3, 5),
-             "channels_last_3d": (batch, C, 2, 3, 2), "sliced": (batch, C, 3, 10)}[layout]
-    x, g = (torch.randn(*shape, generator=gen) * 3 + 1 for _ in range(2))
-    if layout.startswith("channels_last"):
-        fmt = torch.channels_last if layout == "channels_last" else torch.channels_last_3d
-        x, g = x.to(memory_format=fmt), g.to(memory_format=fmt)
-    if layout == "sliced":
-        x, g = x[..., ::2], g[..., ::2].contiguous()
-    return x.to(dtype), g.to(dtype)
 
 
 def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

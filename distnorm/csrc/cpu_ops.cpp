@@ -145,6 +145,11 @@ bool on_device_of(const Tensor& first, const OptTensor& t) {
   return !t.has_value() || !t->defined() || t->device() == first.device();
 }
 
+// The accumulation dtype of an input: float64 for float64, else float32.
+at::ScalarType acc_of(const Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // distnorm::batch_norm_backward_elemt: the formula of ATen's CUDA kernel in one pass
 // (_cpu_kernels.py's module docstring). Inputs of other layouts are made dense first, in the
 // gradient's memory format.
@@ -160,7 +165,7 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
   const int64_t inner = dense_inner(x);
   TORCH_INTERNAL_ASSERT(inner >= 0 && x.strides() == grad_out.strides());
   const int64_t channels = x.size(1);
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_of(x);
   const Tensor weight = weight_in.has_value() && weight_in->defined()
                             ? dense(*weight_in, acc)
                             : at::ones({channels}, at::TensorOptions().dtype(acc));
@@ -200,11 +205,6 @@ Tensor batch_norm_backward_elemt(const Tensor& grad_out_in, const Tensor& x_in, 
 template <typename T>
 void scale(const T* v, const T* factor, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = v[i] * factor[i];
-}
-
-// The accumulation dtype of an input: float64 for float64, else float32.
-at::ScalarType acc_of(const Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 void check_floating(const Tensor& x, const char* op) {
