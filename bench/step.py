@@ -41,6 +41,7 @@ from peers import naive_sync  # noqa: I001
 from tests.dispatch import CollectiveCounter
 import distnorm
 from distnorm import models
+from distnorm.convert import GroupNormAct
 
 VARIANTS = ("local_bn", "cbn", "popnorm", "syncbn", "naive_syncbn", "bnp")
 SYNCED = ("cbn", "popnorm", "syncbn", "naive_syncbn")
@@ -48,30 +49,32 @@ SYNCED = ("cbn", "popnorm", "syncbn", "naive_syncbn")
 MODELS = {"resnet18": (128, 8, 64, 2), "resnet20": (32, 64, 32, 8)}
 
 
-#: variant: the ``norm`` of ``models.create``; ``bnp`` / ``bnp_gn`` / ``bnp_gn_lowp`` then attach
+#: variant: the ``norm`` of ``models.create``; ``bnp`` / ``bnp_gn`` / ``bnp_gn_torch`` then attach
 #: BNP (paper 004 preconditions local BN, and GroupNorm in place of BN for ResNets);
-#: ``cbn_unfolded`` is CBN with the stem computed as ``conv(cbn(x))``; ``*_lowp`` run GroupNorm
-#: in its input's dtype under autocast (:class:`LowPrecisionGroupNorm`). The variants beyond
+#: ``cbn_unfolded`` is CBN with the stem computed as ``conv(cbn(x))``; ``*_torch`` run PyTorch's
+#: GroupNorm in place of distnorm's (:class:`TorchGroupNorm`). The variants beyond
 #: :data:`VARIANTS` are for ``bench/model_choices.py`` and ``bench/step_gpu.py --variants``.
 NORM_OF = {"local_bn": "keep", "cbn": "cbn", "popnorm": "popnorm", "syncbn": "bn", "naive_syncbn": "keep",
-           "bnp": "keep", "bnp_gn": "gn", "gn": "gn", "gn_lowp": "gn", "bnp_gn_lowp": "gn", "cbn_unfolded": "cbn"}
+           "bnp": "keep", "bnp_gn": "gn", "gn": "gn", "gn_torch": "gn", "bnp_gn_torch": "gn", "cbn_unfolded": "cbn"}
 
 
-class LowPrecisionGroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` computed in its input's dtype under autocast.
+class TorchGroupNorm(distnorm.GroupNorm):
+    """distnorm's GroupNorm computed by PyTorch's ``nn.GroupNorm.forward``: the ``*_torch``
+    variants' baseline. On CUDA that copies a channels_last input to NCHW
+    (``aten/src/ATen/native/group_norm.cpp``) and, under autocast, runs in float32, its output
+    too (autocast's float32 list, ``aten/src/ATen/autocast_mode.h``)."""
 
-    CUDA's autocast runs ``group_norm`` in float32 (its float32 list,
-    ``aten/src/ATen/autocast_mode.h``), so a bf16 model's GroupNorm outputs float32 and
-    everything after it up to the next convolution runs in float32: a benchmark variant, to
-    measure what computing it in bf16 (ATen's CUDA kernel accumulates in float32 itself)
-    would save. Not a distnorm layer.
-    """
+    forward = nn.GroupNorm.forward
+
+
+class TorchGroupNormAct(GroupNormAct):
+    """:class:`TorchGroupNorm` for a norm + activation (timm's ``BatchNormAct2d`` converted)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to(x.dtype) if self.weight is not None else None
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        with torch.autocast(x.device.type, enabled=False):
-            return nn.functional.group_norm(x, self.num_groups, weight, bias, self.eps)
+        return self.act(self.drop(nn.GroupNorm.forward(self, x)))
+
+
+_TORCH_GROUP_NORM = {distnorm.GroupNorm: TorchGroupNorm, GroupNormAct: TorchGroupNormAct}
 
 
 def build(name: str, variant: str, num_classes: int = 10) -> nn.Module:
@@ -80,11 +83,10 @@ def build(name: str, variant: str, num_classes: int = 10) -> nn.Module:
     model = models.create(name, num_classes=num_classes, norm=NORM_OF[variant], activation=None)
     if variant == "naive_syncbn":
         naive_sync(model)
-    if variant.endswith("_lowp"):
+    if variant.endswith("_torch"):
         for module in model.modules():
-            if type(module) is nn.GroupNorm:
-                module.__class__ = LowPrecisionGroupNorm
-    if variant in ("bnp", "bnp_gn", "bnp_gn_lowp"):
+            module.__class__ = _TORCH_GROUP_NORM.get(type(module), type(module))
+    if variant in ("bnp", "bnp_gn", "bnp_gn_torch"):
         distnorm.bnp.attach(model)
     if variant == "cbn_unfolded":
         # A convolution with hooks is never folded (distnorm._folding.folds): this no-op hook

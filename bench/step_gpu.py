@@ -13,8 +13,8 @@ called before every step, as a recipe does), by default in six variants built by
 ``bnp.attach``), and CBN with its stem computed as ``conv(cbn(x))`` (``cbn_unfolded``: what
 folding the stem CBN into its convolution saves, ``distnorm._folding``); on request also
 ``bnp`` (local BN + BNP) and ``gn`` (GroupNorm alone), which take GN + BNP apart, and
-``gn_lowp`` / ``bnp_gn_lowp``: GroupNorm in the autocast dtype instead of CUDA autocast's
-float32 (``bench/step.py``'s ``LowPrecisionGroupNorm``). ``--variants`` keeps the order given
+``gn_torch`` / ``bnp_gn_torch``: PyTorch's GroupNorm in place of distnorm's (NCHW copies and
+float32 under CUDA autocast; ``bench/step.py``'s ``TorchGroupNorm``). ``--variants`` keeps the order given
 (local BN always first). Each runs in up to three modes (``--modes``): ``eager``;
 ``compile``, the model ``torch.compile``d in inductor's default mode; ``reduce_overhead``, the
 model ``torch.compile(mode="reduce-overhead")``d (inductor's kernels replayed as CUDA graphs;
@@ -87,7 +87,7 @@ from distnorm._kernel_choice import triton_state
 
 MODELS = ("resnet50", "resnet18", "efficientnet_b0")
 #: Every variant, and the ones run when none are named.
-VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded", "bnp", "gn", "gn_lowp", "bnp_gn_lowp")
+VARIANTS = ("local_bn", "syncbn", "cbn", "popnorm", "bnp_gn", "cbn_unfolded", "bnp", "gn", "gn_torch", "bnp_gn_torch")
 DEFAULT_VARIANTS = VARIANTS[:6]
 MEMORY_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 MODES = ("eager", "compile", "reduce_overhead")

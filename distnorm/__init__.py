@@ -37,7 +37,7 @@ _EXPORTS = {
     "CollectiveFailedError": "errors", "CollectiveMismatchError": "errors", "ConfigurationMismatchError": "errors",
     "DistNormError": "errors",
     "InconsistentStateError": "errors", "NonFiniteStatisticsError": "errors",
-    "CBN": "layers", "POPNorm": "layers", "SyncBatchNorm": "layers", "name_layers": "layers", "set_lr": "layers",
+    "CBN": "layers", "GroupNorm": "layers", "POPNorm": "layers", "SyncBatchNorm": "layers", "name_layers": "layers", "set_lr": "layers",
     "DistNormPlugin": "plugin", "ddp_kwargs": "plugin",
     "freeze": "serving",
     "BNPSpec": "specs", "CBNSpec": "specs", "GNSpec": "specs", "POPNormSpec": "specs", "SyncBNSpec": "specs",
@@ -99,7 +99,7 @@ if _TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported 
         InconsistentStateError,
         NonFiniteStatisticsError,
     )
-    from distnorm.layers import CBN, POPNorm, SyncBatchNorm, name_layers, set_lr
+    from distnorm.layers import CBN, GroupNorm, POPNorm, SyncBatchNorm, name_layers, set_lr
     from distnorm.plugin import DistNormPlugin, ddp_kwargs
     from distnorm.serving import freeze
     from distnorm.specs import BNPSpec, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
@@ -109,6 +109,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CBN",
     "POPNorm",
+    "GroupNorm",
     "SyncBatchNorm",
     "set_lr",
     "name_layers",

@@ -18,6 +18,9 @@ room that calls one imports the room that declares it.
   gradient, registered as the per-channel steps are (the C kernel under ``CPU``, Triton's
   under ``CUDA``, the composite for every device; the maths:
   :func:`distnorm._composite.bnp_precondition`), with the same last argument.
+* ``distnorm::group_norm`` and ``group_norm_backward``: GroupNorm in its input's layout and
+  dtype (:mod:`distnorm._gn_kernels` says why not ATen's: the composite for every device, the
+  Triton kernels under ``CUDA``), called by :class:`distnorm._gn_function.GroupNormFunction`.
 * ``distnorm::snapshot`` (compiled code only): copies of the AMAT and BNP buffers that a
   compiled step reads before updating them in place (:func:`distnorm._traced.cbn_statistics`
   says why it is an operator).
@@ -43,10 +46,10 @@ from distnorm._torch_floor import require_torch
 # without one does not have), checked before anything below declares an operator.
 require_torch(torch.__version__)
 
-from distnorm import _cpu_kernels, _kernels  # noqa: E402
+from distnorm import _cpu_kernels, _gn_kernels, _kernels  # noqa: E402
 
 __all__ = ["FAST_CALLS", "backward_sums", "batch_norm_backward_elemt", "batch_norm_backward_reduce", "batch_norm_elemt",
-           "batch_norm_update_stats", "bnp_precondition", "cbn_plan", "snapshot"]
+           "batch_norm_update_stats", "bnp_precondition", "cbn_plan", "group_norm", "group_norm_backward", "snapshot"]
 
 _LIB = torch.library.Library("distnorm", "FRAGMENT")
 
@@ -146,6 +149,18 @@ _define("bnp_precondition", _kernels.bnp_precondition, _bnp_precondition_fake)
 _LIB.impl("bnp_precondition", _kernels.bnp_precondition_cuda, "CUDA")
 
 
+# GroupNorm in its input's layout and dtype (kernels: distnorm._gn_kernels). No autocast rule:
+# the input keeps the autocast dtype, as batch_norm's does.
+_LIB.define("group_norm(Tensor input, Tensor? weight, Tensor? bias, int groups, float eps) -> (Tensor, Tensor, Tensor)")
+_LIB.define("group_norm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, Tensor? weight, int groups, "
+            "bool[3] output_mask) -> (Tensor, Tensor, Tensor)")
+for _name in ("group_norm", "group_norm_backward"):
+    _LIB.impl(_name, getattr(_gn_kernels, _name), "CompositeExplicitAutograd")
+    _LIB.impl(_name, getattr(_gn_kernels, f"{_name}_cuda"), "CUDA")
+    _LIB.impl(_name, getattr(_gn_kernels, f"{_name}_cpu"), "CPU")
+    torch.library.register_fake(f"distnorm::{_name}", getattr(_gn_kernels, f"{_name}_fake"), lib=_LIB)
+
+
 # The CPU. Its kernels are C++ (distnorm/csrc/cpu_ops.cpp around the C loops of csrc/kernels.c,
 # built by distnorm._cpu_kernels), at the first step that asks for them and registered under the
 # CPU key when they load, so a call goes from the dispatcher to the loop with no Python between.
@@ -189,6 +204,8 @@ batch_norm_update_stats = torch.ops.distnorm.batch_norm_update_stats.default
 bnp_precondition = torch.ops.distnorm.bnp_precondition.default
 batch_norm_elemt = torch.ops.distnorm.batch_norm_elemt.default
 batch_norm_backward_reduce = torch.ops.distnorm.batch_norm_backward_reduce.default
+group_norm = torch.ops.distnorm.group_norm.default
+group_norm_backward = torch.ops.distnorm.group_norm_backward.default
 
 #: The names above that the C++ library, once loaded, also calls from Python
 #: (distnorm/csrc/bindings.cpp): the same operator through the dispatcher's typed handle, every

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK", "KERNELS", "backward_sums", "bnp_precondition", "cbn_plan"]
+__all__ = ["BLOCK", "KERNELS", "backward_sums", "bnp_precondition", "cbn_plan", "group_norm", "group_norm_backward"]
 
 #: Channels per block of the single program (a power of two; C > BLOCK loops).
 BLOCK = 1024
@@ -198,9 +198,218 @@ def _bnp_precondition_kernel(gw_ptr, gb_ptr, mu_ptr, vt_ptr, q2_ptr, out_w_ptr, 
         tl.store(out_b_ptr + d, (tl.div_rn(g, q2) - tl.reduce(acc, 0, _add)).to(out_b_ptr.dtype.element_ty))
 
 
+# GroupNorm in the input's own layout and dtype (distnorm._kernels.group_norm_cuda says when).
+# The input is read as (N, C, S), S the spatial positions, through its strides: NCHW has
+# (C S, S, 1), channels_last (S C, 1, C). Each pass tiles one sample's (S, C) plane into
+# slices of `rows` positions by blocks of BLOCK_C channels, a program each (grid (N, slices,
+# channel blocks)), so a channels_last row of channels is read in one coalesced piece and a
+# sample is spread over many programs. Sums are float32 and in a fixed order (no atomics):
+# the same bits at every launch.
+@triton.jit
+def _gn_tile(ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S: tl.constexpr,
+             BLOCK_C: tl.constexpr):
+    """Offsets and mask of the tile of positions ``r0 + [0, BLOCK_S)`` (within slice ``sl``)
+    and channel block ``cb`` of sample ``n``."""
+    r = r0 + tl.arange(0, BLOCK_S)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    end = tl.minimum((sl + 1) * rows, S)
+    mask = (r < end)[:, None] & (c < C)[None, :]
+    offs = n * stride_n + r[:, None].to(tl.int64) * stride_s + c[None, :].to(tl.int64) * stride_c
+    return ptr + offs, mask
+
+
+@triton.jit
+def _group_norm_moments_kernel(x_ptr, part_ptr, C, S, stride_n, stride_c, stride_s, rows,
+                               BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Per channel of the slice: (mean, M2) over its positions, tile by tile with Chan's update
+    # (no sum of squares, whose cancellation float32 could not afford).
+    n, sl, cb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    mean = tl.full([BLOCK_C], 0.0, tl.float32)
+    m2 = tl.full([BLOCK_C], 0.0, tl.float32)
+    count = tl.full((), 0.0, tl.float32)
+    start = sl * rows
+    end = tl.minimum(start + rows, S)
+    for r0 in range(start, end, BLOCK_S):
+        ptrs, mask = _gn_tile(x_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        v = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        k = tl.minimum(end - r0, BLOCK_S).to(tl.float32)
+        tile_mean = tl.reduce(v, 0, _add) / k
+        d = tl.where(mask, v - tile_mean[None, :], 0.0)
+        total = count + k
+        delta = tile_mean - mean
+        mean = mean + delta * (k / total)
+        m2 = m2 + tl.reduce(d * d, 0, _add) + delta * delta * (count * k / total)
+        count = total
+    out = part_ptr + (n * tl.num_programs(1) + sl) * 2 * C + c
+    tl.store(out, mean, mask=c < C)
+    tl.store(out + C, m2, mask=c < C)
+
+
+@triton.jit
+def _group_norm_stats_kernel(part_ptr, mean_ptr, rstd_ptr, C, S, G, slices, rows, eps, BLOCK: tl.constexpr):
+    # One program per (sample, group): its channels' partials over every slice, merged exactly
+    # (the mean of the means by count, then M2 = sum(M2_i + n_i (mean_i - mean)^2)).
+    p = tl.program_id(0).to(tl.int64)
+    n, g = p // G, p % G
+    per_group = C // G
+    parts = slices * per_group
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    for j0 in range(0, parts, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < parts
+        s = j // per_group
+        cnt = tl.minimum(rows, S - s * rows).to(tl.float32)
+        at = part_ptr + (n * slices + s) * 2 * C + g * per_group + j % per_group
+        acc += tl.where(m, cnt * tl.load(at, mask=m, other=0.0), 0.0)
+    total = per_group * S * 1.0
+    mean = tl.reduce(acc, 0, _add) / total
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    for j0 in range(0, parts, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m = j < parts
+        s = j // per_group
+        cnt = tl.minimum(rows, S - s * rows).to(tl.float32)
+        at = part_ptr + (n * slices + s) * 2 * C + g * per_group + j % per_group
+        d = tl.load(at, mask=m, other=0.0) - mean
+        acc += tl.where(m, tl.load(at + C, mask=m, other=0.0) + cnt * d * d, 0.0)
+    var = tl.reduce(acc, 0, _add) / total
+    tl.store(mean_ptr + p, mean)
+    tl.store(rstd_ptr + p, tl.div_rn(1.0, tl.sqrt_rn(var + eps)))
+
+
+@triton.jit
+def _group_norm_apply_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, C, S, G, stride_n, stride_c, stride_s,
+                             rows, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    # y = (x - mean) * (rstd * w) + b, the output in its own dtype and the input's strides.
+    n, sl, cb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    grp = n * G + c // (C // G)
+    mean = tl.load(mean_ptr + grp, mask=cm, other=0.0)
+    scale = tl.load(rstd_ptr + grp, mask=cm, other=0.0)
+    if HAS_W:
+        scale = scale * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    if HAS_B:
+        shift = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    else:
+        shift = tl.full([BLOCK_C], 0.0, tl.float32)
+    for r0 in range(sl * rows, tl.minimum((sl + 1) * rows, S), BLOCK_S):
+        src, mask = _gn_tile(x_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        dst, _ = _gn_tile(y_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        v = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        out = (v - mean[None, :]) * scale[None, :] + shift[None, :]
+        tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_norm_backward_sums_kernel(dy_ptr, x_ptr, mean_ptr, part_ptr, C, S, G, stride_n, stride_c, stride_s, rows,
+                                     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Per channel of the slice: sum(dy (x - mean)) and sum(dy), centred by the group's mean.
+    n, sl, cb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    mean = tl.load(mean_ptr + n * G + c // (C // G), mask=cm, other=0.0)
+    dot = tl.full([BLOCK_C], 0.0, tl.float32)
+    total = tl.full([BLOCK_C], 0.0, tl.float32)
+    for r0 in range(sl * rows, tl.minimum((sl + 1) * rows, S), BLOCK_S):
+        xs, mask = _gn_tile(x_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        gs, _ = _gn_tile(dy_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        g = tl.load(gs, mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, tl.load(xs, mask=mask, other=0.0).to(tl.float32) - mean[None, :], 0.0)
+        dot += tl.reduce(g * xc, 0, _add)
+        total += tl.reduce(g, 0, _add)
+    out = part_ptr + (n * tl.num_programs(1) + sl) * 2 * C + c
+    tl.store(out, dot, mask=cm)
+    tl.store(out + C, total, mask=cm)
+
+
+@triton.jit
+def _group_norm_backward_coef_kernel(part_ptr, rstd_ptr, w_ptr, coef_ptr, param_ptr, N, C, S, G, slices,
+                                     HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per (sample, group): its channels' sums over the slices, then the input
+    # gradient's coefficients, dx = rstd w dy + c2 (x - mean) + c3 with M = C/G * S,
+    # c2 = -rstd^3 sum_c(w dot) / M and c3 = -rstd sum_c(w total) / M, and each channel's
+    # share of the parameters' gradients, (dot rstd, total) (summed over samples afterwards).
+    p = tl.program_id(0).to(tl.int64)
+    n, g = p // G, p % G
+    per_group = C // G
+    rstd = tl.load(rstd_ptr + p)
+    s1 = tl.full([BLOCK], 0.0, tl.float32)
+    s2 = tl.full([BLOCK], 0.0, tl.float32)
+    for c0 in range(0, per_group, BLOCK):
+        k = c0 + tl.arange(0, BLOCK)
+        m = k < per_group
+        c = g * per_group + k
+        dot = tl.full([BLOCK], 0.0, tl.float32)
+        total = tl.full([BLOCK], 0.0, tl.float32)
+        for s in range(0, slices):
+            at = part_ptr + (n * slices + s) * 2 * C + c
+            dot += tl.load(at, mask=m, other=0.0)
+            total += tl.load(at + C, mask=m, other=0.0)
+        if HAS_W:
+            w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
+        else:
+            w = tl.where(m, 1.0, 0.0)
+        s1 += w * dot
+        s2 += w * total
+        tl.store(param_ptr + n * C + c, dot * rstd, mask=m)
+        tl.store(param_ptr + N * C + n * C + c, total, mask=m)
+    inv_m = 1.0 / (per_group * S * 1.0)
+    tl.store(coef_ptr + p, -rstd * rstd * rstd * tl.reduce(s1, 0, _add) * inv_m)
+    tl.store(coef_ptr + N * G + p, -rstd * tl.reduce(s2, 0, _add) * inv_m)
+
+
+@triton.jit
+def _group_norm_backward_input_kernel(dy_ptr, x_ptr, dx_ptr, mean_ptr, rstd_ptr, w_ptr, coef_ptr, N, C, S, G,
+                                      stride_n, stride_c, stride_s, rows, HAS_W: tl.constexpr,
+                                      BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    n, sl, cb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    grp = n * G + c // (C // G)
+    mean = tl.load(mean_ptr + grp, mask=cm, other=0.0)
+    c1 = tl.load(rstd_ptr + grp, mask=cm, other=0.0)
+    if HAS_W:
+        c1 = c1 * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    c2 = tl.load(coef_ptr + grp, mask=cm, other=0.0)
+    c3 = tl.load(coef_ptr + N * G + grp, mask=cm, other=0.0)
+    for r0 in range(sl * rows, tl.minimum((sl + 1) * rows, S), BLOCK_S):
+        xs, mask = _gn_tile(x_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        gs, _ = _gn_tile(dy_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        ds, _ = _gn_tile(dx_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
+        g = tl.load(gs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
+        out = c1[None, :] * g + c2[None, :] * (v - mean[None, :]) + c3[None, :]
+        tl.store(ds, out.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_norm_param_grads_kernel(param_ptr, dw_ptr, db_ptr, N, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                                   BLOCK: tl.constexpr):
+    # Each channel's shares summed over the samples, in order.
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = c < C
+    dw = tl.full([BLOCK], 0.0, tl.float32)
+    db = tl.full([BLOCK], 0.0, tl.float32)
+    for n in range(0, N):
+        dw += tl.load(param_ptr + n * C + c, mask=m, other=0.0)
+        db += tl.load(param_ptr + N * C + n * C + c, mask=m, other=0.0)
+    if HAS_W:
+        tl.store(dw_ptr + c, dw.to(dw_ptr.dtype.element_ty), mask=m)
+    if HAS_B:
+        tl.store(db_ptr + c, db.to(db_ptr.dtype.element_ty), mask=m)
+
+
 #: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
 KERNELS = {"cbn_plan": _cbn_plan_kernel, "backward_sums": _backward_sums_kernel,
-           "bnp_precondition": _bnp_precondition_kernel}
+           "bnp_precondition": _bnp_precondition_kernel, "group_norm_moments": _group_norm_moments_kernel,
+           "group_norm_stats": _group_norm_stats_kernel, "group_norm_apply": _group_norm_apply_kernel,
+           "group_norm_backward_sums": _group_norm_backward_sums_kernel,
+           "group_norm_backward_coef": _group_norm_backward_coef_kernel,
+           "group_norm_backward_input": _group_norm_backward_input_kernel,
+           "group_norm_param_grads": _group_norm_param_grads_kernel}
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager:
@@ -267,3 +476,83 @@ def bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups, kernels=KE
             out_channels // groups, mean.numel() // groups, HAS_BIAS=grad_bias is not None,
             BLOCK_K=min(BLOCK, max(16, triton.next_power_of_2(row_len))))
     return out_w, out_b
+
+
+#: Values a GroupNorm program reads per tile, and at least per slice (GPU-sized: thousands of
+#: programs for a ResNet-50 batch).
+_GN_TILE = 2048
+_GN_SLICE = 16384
+
+
+def _gn_plan(x):
+    """``x`` as ``(N, C, S)``: its strides and the tiling, for a contiguous or channels_last
+    input (the caller's contract): tiles along the layout's contiguous axis."""
+    n, c = x.shape[0], x.shape[1]
+    s = x[0, 0].numel()
+    channels_inner = x.dim() > 2 and x.stride(1) == 1 and c > 1
+    stride_s = c if channels_inner else 1
+    if channels_inner:
+        block_c = min(triton.next_power_of_2(c), 128)
+        block_s = max(1, _GN_TILE // block_c)
+    else:
+        block_s = min(triton.next_power_of_2(max(s, 1)), _GN_TILE)
+        block_c = min(triton.next_power_of_2(c), max(1, _GN_TILE // block_s))
+    rows = max(block_s, (_GN_SLICE // block_c) // block_s * block_s)
+    slices = triton.cdiv(s, rows)
+    return dict(n=n, c=c, s=s, strides=(x.stride(0), x.stride(1), stride_s), rows=rows, slices=slices,
+                block_s=block_s, block_c=block_c, grid=(n, slices, triton.cdiv(c, block_c)))
+
+
+def group_norm(x, weight, bias, groups, eps, kernels=KERNELS):
+    """The CUDA kernels of ``distnorm::group_norm`` for a non-empty contiguous or channels_last
+    ``x`` (float32, bfloat16 or float16): ``(y, mean, rstd)``, ``y`` in ``x``'s dtype and
+    strides, the statistics ``(N, groups)`` float32. Three launches: the slices' moments, the
+    groups' statistics, the output."""
+    plan = _gn_plan(x)
+    n, c, s, rows, slices = plan["n"], plan["c"], plan["s"], plan["rows"], plan["slices"]
+    part = torch.empty(n, slices, 2, c, dtype=torch.float32, device=x.device)
+    mean = torch.empty(n, groups, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    y = torch.empty_like(x)
+    w = weight.contiguous() if weight is not None else mean
+    b = bias.contiguous() if bias is not None else mean
+    tiles = dict(BLOCK_S=plan["block_s"], BLOCK_C=plan["block_c"])
+    with _on(x.device):
+        kernels["group_norm_moments"][plan["grid"]](x, part, c, s, *plan["strides"], rows, **tiles)
+        kernels["group_norm_stats"][(n * groups,)](
+            part, mean, rstd, c, s, groups, slices, rows, eps,
+            BLOCK=min(BLOCK, triton.next_power_of_2(max(slices * (c // groups), 16))))
+        kernels["group_norm_apply"][plan["grid"]](x, y, mean, rstd, w, b, c, s, groups, *plan["strides"], rows,
+                                                  HAS_W=weight is not None, HAS_B=bias is not None, **tiles)
+    return y, mean, rstd
+
+
+def group_norm_backward(grad_out, x, mean, rstd, weight, groups, mask, kernels=KERNELS):
+    """The CUDA kernels of ``distnorm::group_norm_backward``, for ``grad_out`` with ``x``'s
+    strides (the caller's contract): ``(grad_input, grad_weight, grad_bias)``, the parameters'
+    in the weight's dtype (float32 without one), empty where ``mask`` does not ask. Four
+    launches: the slices' sums, the groups' coefficients, the input gradient, the parameters'."""
+    plan = _gn_plan(x)
+    n, c, s, rows, slices = plan["n"], plan["c"], plan["s"], plan["rows"], plan["slices"]
+    part = torch.empty(n, slices, 2, c, dtype=torch.float32, device=x.device)
+    coef = torch.empty(2, n, groups, dtype=torch.float32, device=x.device)
+    param = torch.empty(2, n, c, dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x)
+    w = weight.contiguous() if weight is not None else mean
+    pdt = weight.dtype if weight is not None else torch.float32
+    grad_w = torch.empty(c if mask[1] else 0, dtype=pdt, device=x.device)
+    grad_b = torch.empty(c if mask[2] else 0, dtype=pdt, device=x.device)
+    tiles = dict(BLOCK_S=plan["block_s"], BLOCK_C=plan["block_c"])
+    with _on(x.device):
+        kernels["group_norm_backward_sums"][plan["grid"]](grad_out, x, mean, part, c, s, groups, *plan["strides"],
+                                                          rows, **tiles)
+        kernels["group_norm_backward_coef"][(n * groups,)](
+            part, rstd, w, coef, param, n, c, s, groups, slices, HAS_W=weight is not None,
+            BLOCK=min(BLOCK, triton.next_power_of_2(max(c // groups, 16))))
+        kernels["group_norm_backward_input"][plan["grid"]](grad_out, x, grad_x, mean, rstd, w, coef, n, c, s, groups,
+                                                           *plan["strides"], rows, HAS_W=weight is not None, **tiles)
+        if mask[1] or mask[2]:
+            kernels["group_norm_param_grads"][(triton.cdiv(c, BLOCK),)](
+                param, grad_w if mask[1] else param, grad_b if mask[2] else param, n, c, HAS_W=bool(mask[1]),
+                HAS_B=bool(mask[2]), BLOCK=_block(c))
+    return grad_x, grad_w, grad_b

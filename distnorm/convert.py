@@ -43,7 +43,7 @@ from torch import fx, nn
 from distnorm import _folding
 from distnorm._collectives import ProcessGroup
 from distnorm._wrappers import refuse_wrapped
-from distnorm.layers import SyncBatchNorm, _DistNormLayer, name_layers
+from distnorm.layers import GroupNorm, SyncBatchNorm, _DistNormLayer, name_layers
 from distnorm.specs import ACTIVATION_NAMES, KEEP, NORM_LABELS, NORM_SPECS, NORMS, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec
 
 #: What ``convert(norm=...)`` accepts besides a name.
@@ -192,8 +192,8 @@ class SyncBatchNormAct(_NormAct, SyncBatchNorm):
     ``convert(norm="bn")`` makes of timm's ``BatchNormAct2d`` (same ``state_dict`` keys)."""
 
 
-class GroupNormAct(_NormAct, nn.GroupNorm):
-    """``nn.GroupNorm``, then its ``drop`` and ``act`` children: what ``convert(norm="gn")``
+class GroupNormAct(_NormAct, GroupNorm):
+    """:class:`distnorm.layers.GroupNorm`, then its ``drop`` and ``act`` children: what ``convert(norm="gn")``
     makes of timm's ``BatchNormAct2d`` (BNP + GN; same ``state_dict`` keys)."""
 
 
@@ -203,7 +203,7 @@ class GroupNormAct(_NormAct, nn.GroupNorm):
 #: find them by name.
 NORM_ACT_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
     SyncBatchNorm: SyncBatchNormAct,
-    nn.GroupNorm: GroupNormAct,
+    GroupNorm: GroupNormAct,
 }
 
 

@@ -24,12 +24,13 @@ from distnorm import _functions
 from distnorm._bnp_functions import bnp_precondition
 from distnorm._collectives import ProcessGroup
 from distnorm._functions import channel_affine
+from distnorm._gn_function import group_norm
 from distnorm._moments import accumulate_dtype
 from distnorm._state import CBNBuffers, NormState
 from distnorm.specs import EPS, EVAL_STATS, MOMENTUM, CBNSpec, POPNormSpec  # EVAL_STATS: CBN's eval_stats values (SPEC §1)
 
 __all__ = ["CBNBuffers", "NormState", "amat_eta", "bnp_precondition", "cbn", "cbn_eval_affine", "cbn_inference",
-           "normalize", "normalize_parts", "pop_norm", "sync_batch_norm"]
+           "group_norm", "normalize", "normalize_parts", "pop_norm", "sync_batch_norm"]
 
 
 def amat_eta(lr: float | torch.Tensor, omega: float) -> float | torch.Tensor:

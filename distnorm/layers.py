@@ -1,4 +1,5 @@
-"""Synchronized normalization layers: :class:`CBN`, :class:`POPNorm`, :class:`SyncBatchNorm`.
+"""Synchronized normalization layers: :class:`CBN`, :class:`POPNorm`, :class:`SyncBatchNorm`;
+and :class:`GroupNorm` (per sample, for BNP + GN), kept in its input's layout and dtype.
 
 The modules own parameters, buffers and their :class:`~distnorm.functional.NormState`;
 each forward is one call of :func:`distnorm.functional.normalize`, whose training path goes
@@ -26,7 +27,7 @@ from distnorm._collectives import ProcessGroup
 from distnorm.functional import CBNBuffers, NormState
 from distnorm.specs import EPS, MOMENTUM, CBNSpec, GNSpec, POPNormSpec, SyncBNSpec, register_builder
 
-__all__ = ["CBN", "POPNorm", "SyncBatchNorm", "set_lr", "set_lrs", "name_layers"]
+__all__ = ["CBN", "GroupNorm", "POPNorm", "SyncBatchNorm", "set_lr", "set_lrs", "name_layers"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _warned_no_lr = False  # one warning per process, not one per layer
@@ -429,6 +430,26 @@ class SyncBatchNorm(_DistNormLayer):
         )
 
 
+class GroupNorm(nn.GroupNorm):
+    """``torch.nn.GroupNorm`` (same arguments, parameters and ``state_dict``) computed in its
+    input's layout and dtype: :func:`distnorm.functional.group_norm`.
+
+    On CUDA, PyTorch's GroupNorm copies a channels_last input to NCHW and, under autocast,
+    runs in float32 (its output too); this one keeps channels_last and the autocast dtype,
+    with float32 arithmetic and float32 parameters, as ``BatchNorm2d`` does under autocast.
+    Not synchronized: its statistics are each sample's own.
+
+    Example:
+        >>> layer = GroupNorm(4, 8)
+        >>> layer(torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)).is_contiguous(
+        ...     memory_format=torch.channels_last)
+        True
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return functional.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+
 def name_layers(model: nn.Module) -> int:
     """Record each distnorm layer's qualified name in ``model`` for error messages.
 
@@ -537,11 +558,11 @@ def _build_sync_batch_norm(spec: SyncBNSpec, num_features: int, *, process_group
 
 
 def _build_group_norm(spec: GNSpec, num_features: int, *, process_group: ProcessGroup | None = None,
-                      replacing: nn.Module | None = None) -> nn.GroupNorm:
-    """``nn.GroupNorm`` (not synchronized: its statistics are per sample); in place of a
+                      replacing: nn.Module | None = None) -> GroupNorm:
+    """:class:`GroupNorm` (not synchronized: its statistics are per sample); in place of a
     BatchNorm it starts from that layer's affine parameters."""
     affine = getattr(replacing, "affine", True)
-    layer = nn.GroupNorm(spec.groups_for(num_features), num_features, eps=spec.resolved_eps(replacing), affine=affine)
+    layer = GroupNorm(spec.groups_for(num_features), num_features, eps=spec.resolved_eps(replacing), affine=affine)
     if replacing is not None and affine:
         with torch.no_grad():
             layer.weight.copy_(replacing.weight)

@@ -19,7 +19,8 @@ What each normalization becomes (every one computes, at evaluation, a per-channe
   ``nn.BatchNorm2d`` (``nn.BatchNorm1d`` / ``3d`` in front of a linear / 3-D layer). So a model
   trained with ``norm="bn"`` gives the stock architecture's ``state_dict``: it loads into
   torchvision's or timm's model of the same name with ``strict=True``.
-* **GroupNorm** (``norm="gn"``, for BNP): ``nn.GroupNorm`` as it is; distnorm's
+* **GroupNorm** (``norm="gn"``, for BNP): distnorm's :class:`~distnorm.layers.GroupNorm`
+  becomes ``nn.GroupNorm`` with the same parameters (an ``nn.GroupNorm`` stays as it is);
   ``GroupNormAct`` (timm's fused norm + activation) becomes ``nn.Sequential(norm, drop, act)``.
 * **BNP** leaves nothing behind: its hooks, moments and wrapper class go. A bias BNP added to
   a bias-free layer stays where it changes the output; where the layer's output goes only to
@@ -51,7 +52,7 @@ from distnorm._engines import partition_tests
 from distnorm._wrappers import wrapper_name
 from distnorm.bnp import BUFFERS as _BNP_BUFFERS
 from distnorm.convert import GroupNormAct, PreNorm, SyncBatchNormAct
-from distnorm.layers import SyncBatchNorm, _CompleteNorm, _DistNormLayer
+from distnorm.layers import GroupNorm, SyncBatchNorm, _CompleteNorm, _DistNormLayer
 
 __all__ = ["freeze"]
 
@@ -197,12 +198,20 @@ def _plain(module: nn.Module, path: str, originals: dict[str, nn.Module], fold: 
     if isinstance(module, SyncBatchNorm):
         return _batch_norm(module, originals.get(path))
     if isinstance(module, GroupNormAct):
-        norm = nn.GroupNorm(module.num_groups, module.num_channels, module.eps, module.affine)
-        if module.affine:
-            norm = norm.to(device=module.weight.device, dtype=module.weight.dtype)
-            norm.load_state_dict({"weight": module.weight, "bias": module.bias}, strict=True)
-        return nn.Sequential(OrderedDict([("norm", norm), ("drop", module.drop), ("act", module.act)]))
+        return nn.Sequential(OrderedDict([("norm", _torch_group_norm(module)), ("drop", module.drop),
+                                          ("act", module.act)]))
+    if type(module) is GroupNorm:
+        return _torch_group_norm(module)
     return None
+
+
+def _torch_group_norm(module: GroupNorm) -> nn.GroupNorm:
+    """``nn.GroupNorm`` with ``module``'s configuration and parameters."""
+    norm = nn.GroupNorm(module.num_groups, module.num_channels, module.eps, module.affine)
+    if module.affine:
+        norm = norm.to(device=module.weight.device, dtype=module.weight.dtype)
+        norm.load_state_dict({"weight": module.weight, "bias": module.bias}, strict=True)
+    return norm.train(module.training)
 
 
 def _affine(layer: _CompleteNorm, cls: type[nn.Module]) -> nn.Module:

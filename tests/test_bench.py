@@ -365,11 +365,12 @@ def test_step_gpu_records_failures_and_stops_for_time(monkeypatch):
 
 def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
     """The variants that take GN + BNP apart build what they name (GroupNorm without BNP's
-    hooks, local BN with them, GroupNorm computed in its input's dtype under autocast) and run
-    only when asked; ``--memory-format contiguous`` gives the models and the batch NCHW, and
-    the report records it. So GN alone is never measured with BNP still attached, the
-    ``*_lowp`` GroupNorm is not handed float32 parameters under autocast, and the layout option
-    is neither ignored nor recorded as channels_last for an NCHW run."""
+    hooks, local BN with them, PyTorch's GroupNorm in place of distnorm's) and run only when
+    asked; ``--memory-format contiguous`` gives the models and the batch NCHW, and the report
+    records it. So GN alone is never measured with BNP still attached, the ``*_torch`` baseline
+    runs ATen's ``native_group_norm`` on the input as it comes (distnorm's runs its own
+    operator), and the layout option is neither ignored nor recorded as channels_last for an
+    NCHW run."""
     from distnorm._bnp_functions import BNPLayerState
 
     step_gpu = _bench_module("step_gpu", monkeypatch)
@@ -384,27 +385,27 @@ def test_step_gpu_takes_gn_and_bnp_apart_in_either_layout(monkeypatch):
     assert kinds(step.build("resnet20", "gn")) == (True, False, False)
     assert kinds(step.build("resnet20", "bnp")) == (False, True, True)
     assert kinds(step.build("resnet20", "bnp_gn")) == (True, False, True)
-    assert kinds(step.build("resnet20", "bnp_gn_lowp")) == (True, False, True)
+    assert kinds(step.build("resnet20", "bnp_gn_torch")) == (True, False, True)
 
-    class GroupNormDtypes(torch.utils._python_dispatch.TorchDispatchMode):
-        """The (input, weight) dtypes of every GroupNorm kernel call."""
+    class GroupNormCalls(torch.utils._python_dispatch.TorchDispatchMode):
+        """The GroupNorm operators called, with their input's dtype."""
 
         def __init__(self) -> None:
             super().__init__()
-            self.seen: set[tuple[torch.dtype, torch.dtype]] = set()
+            self.seen: set[tuple[str, torch.dtype]] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.native_group_norm.default:
-                self.seen.add((args[0].dtype, args[1].dtype))
+            if func in (torch.ops.aten.native_group_norm.default, torch.ops.distnorm.group_norm.default):
+                self.seen.add((func.__name__, args[0].dtype))
             return func(*args, **(kwargs or {}))
 
     x = torch.randn(2, 3, 32, 32)
-    plain, lowp = step.build("resnet20", "gn"), step.build("resnet20", "gn_lowp")
-    torch.testing.assert_close(lowp(x), plain(x))  # the same values outside autocast
-    for model, expected in ((plain, torch.float32), (lowp, torch.bfloat16)):
-        with GroupNormDtypes() as spy, torch.autocast("cpu", dtype=torch.bfloat16):
+    ours, theirs = step.build("resnet20", "gn"), step.build("resnet20", "gn_torch")
+    torch.testing.assert_close(ours(x), theirs(x))
+    for model, expected in ((ours, "group_norm.default"), (theirs, "native_group_norm.default")):
+        with GroupNormCalls() as spy, torch.autocast("cpu", dtype=torch.bfloat16):
             model(x)
-        assert spy.seen == {(torch.bfloat16, expected)}, (type(model), spy.seen)
+        assert spy.seen == {(expected, torch.bfloat16)}, (type(model), spy.seen)
 
     seen = []
     make_step = step_gpu.make_step

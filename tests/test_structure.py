@@ -157,8 +157,8 @@ def test_the_core_layers_sit_below_specs_builders_and_bnp():
 
 #: The rooms under the layers, from the ground up: each imports only rooms listed before it
 #: (and the package's leaves: errors, _release, _debug, _recompute, specs, settings).
-BASEMENT = ("_torch_floor", "_capture", "_constants", "_cpu_kernels", "_composite", "_kernels", "_ops", "_frames",
-            "_collectives", "_moments", "_kernel_choice", "_state", "_bnp_functions", "_traced", "_functions")
+BASEMENT = ("_torch_floor", "_capture", "_constants", "_cpu_kernels", "_composite", "_kernels", "_gn_kernels", "_ops",
+            "_gn_function", "_frames", "_collectives", "_moments", "_kernel_choice", "_state", "_bnp_functions", "_traced", "_functions")
 LEAVES = {"distnorm.errors", "distnorm._release", "distnorm._debug", "distnorm._recompute", "distnorm.specs",
           "distnorm.settings", "distnorm._triton"}
 

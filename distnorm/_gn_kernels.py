@@ -1,0 +1,178 @@
+"""GroupNorm's implementations, in its input's own layout and dtype: the kernels of
+``distnorm::group_norm`` and ``distnorm::group_norm_backward`` (declared in :mod:`distnorm._ops`).
+
+Why not ATen's: on CUDA, ``native_group_norm`` makes its input NCHW-contiguous
+(``aten/src/ATen/native/group_norm.cpp``, ``native_group_norm``: the memory format is
+``X.suggest_memory_format()`` only on the CPU and PrivateUse1), so a channels_last model pays
+a copy of every GroupNorm input and hands NCHW to the next convolution; and it reads its
+weight and bias in the input's dtype and writes its statistics in it
+(``group_norm_kernel.cu``, ``GroupNormKernelImplInternal``: ``gamma.const_data_ptr<T>()``,
+``mean.mutable_data_ptr<T>()``), so a bfloat16 input needs bfloat16 parameters. Autocast
+therefore runs ``group_norm`` in float32 on CUDA (its float32 list), and everything after it
+up to the next convolution too. These operators have no autocast rule: the input keeps its
+dtype, the parameters theirs (float32), and the arithmetic is float32 (float64 for a float64
+input) — as ``batch_norm`` under autocast.
+
+* :func:`group_norm`, :func:`group_norm_backward` — the composite, on every device: ATen's
+  ``native_group_norm`` (and its backward) in the accumulation dtype, the input and
+  parameters cast to it, which is what CUDA's kernel demands (one dtype) given everywhere;
+  the results cast back to the input's (the parameters') dtype and laid out as the input.
+* :func:`group_norm_cuda`, :func:`group_norm_backward_cuda` — CUDA: the Triton kernels of
+  :mod:`distnorm._triton` (three launches forward, four backward, as ATen's), reading the
+  input through its strides, for a non-empty float32 / bfloat16 / float16 input; else the
+  composite.
+* :func:`group_norm_cpu`, :func:`group_norm_backward_cpu` — the CPU: the composite, or the
+  Triton kernels in Triton's interpreter under ``DISTNORM_TRITON=interpret`` (tests).
+
+GroupNorm normalizes each sample by itself: no collective, so a rank's kernel changes no
+other rank's arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from distnorm._kernels import _launch, _on_one_device, kernels_for
+
+__all__ = ["group_norm", "group_norm_backward", "group_norm_backward_cpu", "group_norm_backward_cuda",
+           "group_norm_backward_fake", "group_norm_cpu", "group_norm_cuda", "group_norm_fake"]
+
+
+def _acc(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return t.to(dtype) if t is not None else None
+
+
+def _laid_out_as(result: Tensor, x: Tensor) -> Tensor:
+    """``result`` with ``torch.empty_like(x)``'s strides, which the fake kernels promise (ATen's
+    CUDA kernel returns NCHW for a channels_last input)."""
+    like = torch.empty_like(x, dtype=result.dtype)
+    if like.stride() == result.stride():
+        return result
+    return like.copy_(result)
+
+
+def _spatial(x: Tensor) -> int:
+    return math.prod(x.shape[2:])
+
+
+def group_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
+               eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``distnorm::group_norm`` on every device: ``(y, mean, rstd)``, ``y = (x - mean_g) rstd_g
+    w + b`` over each sample's groups of ``C / groups`` channels, ``rstd = 1 / sqrt(var + eps)``
+    (biased variance); ``y`` in ``x``'s dtype and layout, ``mean`` and ``rstd`` ``(N, groups)``
+    in the accumulation dtype."""
+    acc = _acc(x)
+    y, mean, rstd = torch.native_group_norm(x.to(acc), _cast(weight, acc), _cast(bias, acc), x.shape[0], x.shape[1],
+                                            _spatial(x), groups, eps)
+    return _laid_out_as(y.to(x.dtype), x), mean, rstd
+
+
+def group_norm_backward(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                        groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """``distnorm::group_norm_backward`` on every device: ``(grad_input, grad_weight,
+    grad_bias)``, the input's in ``x``'s dtype and layout, the parameters' in the weight's dtype
+    (the accumulation dtype without one), empty where ``mask`` does not ask for them."""
+    acc = mean.dtype
+    grads = torch.ops.aten.native_group_norm_backward(grad_out.to(acc), x.to(acc), mean, rstd, _cast(weight, acc),
+                                                      x.shape[0], x.shape[1], _spatial(x), groups,
+                                                      [True, bool(mask[1]), bool(mask[2])])
+    pdt = weight.dtype if weight is not None else acc
+    params = tuple(g.to(pdt) if asked else x.new_empty(0, dtype=pdt) for g, asked in zip(grads[1:], mask[1:]))
+    return _laid_out_as(grads[0].to(x.dtype), x), *params
+
+
+def group_norm_fake(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
+                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    stats = x.new_empty(x.shape[0], groups, dtype=_acc(x))
+    return torch.empty_like(x), stats, torch.empty_like(stats)
+
+
+def group_norm_backward_fake(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                             groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    pdt = weight.dtype if weight is not None else mean.dtype
+    return (torch.empty_like(x), *(x.new_empty(x.shape[1] if asked else 0, dtype=pdt) for asked in mask[1:]))
+
+
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dense_format(x: Tensor) -> Optional[torch.memory_format]:
+    """The memory format ``x`` is dense in, of those the kernels read (None: neither)."""
+    if x.is_contiguous():
+        return torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return None
+
+
+def _triton_takes(x: Tensor, *others: Optional[Tensor]) -> bool:
+    """The Triton kernels' cases: a non-empty float32 / bfloat16 / float16 input, floating
+    parameters of those dtypes, every tensor on the input's device."""
+    return (x.dtype in _TRITON_DTYPES and x.numel() > 0 and x.dim() >= 2
+            and all(t is None or t.dtype in _TRITON_DTYPES for t in others) and _on_one_device(x, *others))
+
+
+def _triton_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
+                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    dense = x if _dense_format(x) is not None else x.contiguous()
+    y, mean, rstd = _launch("group_norm", x.device, lambda k: k.group_norm(dense, weight, bias, groups, eps))
+    return _laid_out_as(y, x), mean, rstd
+
+
+def _triton_backward(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                     groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    fmt = _dense_format(x)
+    dense = x if fmt is not None else x.contiguous()
+    fmt = fmt or torch.contiguous_format
+    grad = grad_out if grad_out.stride() == dense.stride() else grad_out.contiguous(memory_format=fmt)
+    grad_x, grad_w, grad_b = _launch("group_norm_backward", x.device, lambda k: k.group_norm_backward(
+        grad, dense, mean.contiguous(), rstd.contiguous(), weight, groups, mask))
+    return _laid_out_as(grad_x, x), grad_w, grad_b
+
+
+def group_norm_cuda(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
+                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``distnorm::group_norm`` on CUDA: the Triton kernels where Triton loads
+    (``DISTNORM_TRITON`` not ``0``) and they take the case, else the composite."""
+    if _triton_takes(x, weight, bias) and kernels_for(x.device)[0] is not None:
+        return _triton_forward(x, weight, bias, groups, eps)
+    return group_norm(x, weight, bias, groups, eps)
+
+
+def group_norm_backward_cuda(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                             groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """``distnorm::group_norm_backward`` on CUDA: the kernels the forward ran (the same test on
+    the same tensors, float32 statistics), else the composite."""
+    if (_triton_takes(x, weight, grad_out) and mean.dtype == torch.float32
+            and kernels_for(x.device)[0] is not None):
+        return _triton_backward(grad_out, x, mean, rstd, weight, groups, mask)
+    return group_norm_backward(grad_out, x, mean, rstd, weight, groups, mask)
+
+
+def group_norm_cpu(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
+                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``distnorm::group_norm`` on the CPU: the composite (ATen's CPU kernel keeps
+    channels_last), or the Triton kernels in Triton's interpreter under
+    ``DISTNORM_TRITON=interpret``."""
+    if _triton_takes(x, weight, bias) and kernels_for(x.device)[0] is not None:
+        return _triton_forward(x, weight, bias, groups, eps)
+    return group_norm(x, weight, bias, groups, eps)
+
+
+def group_norm_backward_cpu(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                            groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    """``distnorm::group_norm_backward`` on the CPU: as :func:`group_norm_cpu`."""
+    if (_triton_takes(x, weight, grad_out) and mean.dtype == torch.float32
+            and kernels_for(x.device)[0] is not None):
+        return _triton_backward(grad_out, x, mean, rstd, weight, groups, mask)
+    return group_norm_backward(grad_out, x, mean, rstd, weight, groups, mask)
