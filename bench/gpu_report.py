@@ -15,7 +15,7 @@ their own, packed into ``<out>/<name>.parts.tar.gz`` at every rewrite of the rep
 ``<out>`` holds three files. The parts, in this order, each in its own process (its whole
 output also goes to ``<out>/<name>.<part>.log`` as it runs, or into the bundle):
 
-* **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_step_cost.py tests/test_compile.py tests/test_checkpointing.py tests/test_prefetch.py``
+* **tests**: ``pytest -m cuda tests/test_cuda.py tests/test_fused.py tests/test_group_norm.py tests/test_step_cost.py tests/test_compile.py tests/test_checkpointing.py tests/test_prefetch.py``
   with ``DISTNORM_TEST_TIER=gpu`` (conftest.py then does without Sybil): the CUDA tests only,
   passed / failed / skipped counts, every skip reason with its count (what the machine lacks:
   a CUDA device, a second GPU, triton), the failures by name (pytest's JUnit XML,
@@ -109,7 +109,7 @@ HERE = Path(__file__).resolve().parent
 PARTS = ("tests", "step_eager", "step_compile", "step_compile_more", "host", "profile", "layers", "decode", "loader")
 #: The parts that run bench/step_gpu.py.
 STEP_PARTS = ("step_eager", "step_compile", "step_compile_more")
-TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_step_cost.py", "tests/test_compile.py",
+TESTS = ["tests/test_cuda.py", "tests/test_fused.py", "tests/test_group_norm.py", "tests/test_step_cost.py", "tests/test_compile.py",
          "tests/test_checkpointing.py", "tests/test_prefetch.py"]
 #: Only the tests that need CUDA (the CPU tests of these files run in ``make test``).
 TEST_MARKER = "cuda"

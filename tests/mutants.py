@@ -1416,6 +1416,30 @@ MUTANTS: list[Mutant] = [
         "            pass\n",
         ("tests/test_serving.py::test_revert_of_a_bn_model_keeps_what_it_trained_after_a_move",),
     ),
+    Mutant(
+        "gn-triton-slices-merged-without-spread",
+        "distnorm's GroupNorm on CUDA (Triton) equals float64's across tiles and slices",
+        "distnorm/_triton.py",
+        "        acc += tl.where(m, tl.load(at + C, mask=m, other=0.0) + cnt * d * d, 0.0)\n",
+        "        acc += tl.where(m, tl.load(at + C, mask=m, other=0.0), 0.0)\n",
+        ("tests/test_group_norm.py::test_triton_kernels_merge_tiles_and_slices[nchw-affine-torch.float32]",),
+    ),
+    Mutant(
+        "gn-triton-backward-without-mean-term",
+        "distnorm's GroupNorm on CUDA (Triton): the input gradient equals float64's",
+        "distnorm/_triton.py",
+        "    tl.store(coef_ptr + N * G + p, -rstd * tl.reduce(s2, 0, _add) * inv_m)\n",
+        "    tl.store(coef_ptr + N * G + p, 0.0 * rstd)\n",
+        ("tests/test_group_norm.py::test_triton_kernels_are_float64_group_norm[nchw-torch.float32]",),
+    ),
+    Mutant(
+        "gn-composite-in-input-dtype",
+        "distnorm's GroupNorm keeps float32 parameters and arithmetic for a bf16 input",
+        "distnorm/_gn_kernels.py",
+        "    acc = _acc(x)\n    y, mean, rstd = torch.native_group_norm(",
+        "    acc = x.dtype\n    y, mean, rstd = torch.native_group_norm(",
+        ("tests/test_group_norm.py::test_group_norm_is_float64_group_norm[nchw-torch.bfloat16-affine]",),
+    ),
 ]
 
 

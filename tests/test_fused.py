@@ -90,7 +90,7 @@ def _assert_close(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
 @contextlib.contextmanager
 def triton_launches(device: torch.device | str) -> Iterator[collections.Counter]:
     """Counts, by name, the launches of distnorm's Triton kernels (``cbn_plan``,
-    ``backward_sums``) in the kernel module the fused operators run for ``device`` in this
+    ``backward_sums``, ``bnp_precondition``, GroupNorm's) in the kernel module the fused operators run for ``device`` in this
     process (:func:`distnorm._kernels.kernels_for`: the compiled :mod:`distnorm._triton` for
     CUDA tensors, the interpreted copy under ``DISTNORM_TRITON=interpret``). Each launch is a
     ``KERNELS[name][grid](...)``: the kernels are wrapped there, launched as before, and put

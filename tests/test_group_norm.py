@@ -7,10 +7,7 @@ and :func:`distnorm.freeze` back to ``nn.GroupNorm``."""
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import importlib.util
-from typing import Iterator
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import distnorm
 from distnorm import _kernels
+from tests.test_fused import triton_launches
 
 #: Largest error against float64, in units of the dtype's epsilon times the output's scale.
 ULPS = {torch.float64: 64, torch.float32: 64, torch.bfloat16: 2, torch.float16: 2}
@@ -63,10 +61,11 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dty
     assert err <= limit, f"{what}: max error {err:.3g} > {limit:.3g} ({dtype})"
 
 
-def _check_against_reference(run, name: str, dtype: torch.dtype, affine: bool) -> None:
+def _check_against_reference(run, name: str, dtype: torch.dtype, affine: bool, device: str = "cpu") -> None:
     x, groups, weight, bias, grad = _inputs(name, dtype, affine)
     y_ref, gx_ref, gw_ref, gb_ref = _reference(x, groups, weight, bias, grad)
-    y, gx, gw, gb = run(x, groups, weight, bias, grad)
+    on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731 (to() keeps the layout)
+    y, gx, gw, gb = (t.cpu() if t is not None else None for t in run(*map(on, (x, groups, weight, bias, grad))))
     assert y.dtype == x.dtype and gx.dtype == x.dtype
     assert y.stride() == torch.empty_like(x).stride() and gx.stride() == torch.empty_like(x).stride()
     _assert_close(y, y_ref, dtype, "output")
@@ -148,26 +147,6 @@ def test_triton_kernels_slice_a_channels_last_sample(small_tiles) -> None:
     assert torch.allclose(rstd.double(), (view.var(-1, unbiased=False) + 1e-5).rsqrt(), rtol=1e-5, atol=0)
 
 
-@contextlib.contextmanager
-def _launches(module) -> Iterator[collections.Counter]:
-    counts: collections.Counter = collections.Counter()
-
-    class Counted:
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            counts[self.name] += 1
-            return self.kernel[grid]
-
-    saved = dict(module.KERNELS)
-    module.KERNELS.update({name: Counted(name, k) for name, k in saved.items() if name.startswith("group_norm")})
-    try:
-        yield counts
-    finally:
-        module.KERNELS.update(saved)
-
-
 def test_a_layer_step_launches_three_kernels_forward_and_four_backward(interpreted, monkeypatch) -> None:
     """What a GPU pays per GroupNorm step through the operators: three launches forward (the
     slices' moments, the groups' statistics, the output) and four backward, as ATen's CUDA
@@ -175,13 +154,13 @@ def test_a_layer_step_launches_three_kernels_forward_and_four_backward(interpret
     monkeypatch.setenv("DISTNORM_TRITON", "interpret")
     layer = distnorm.GroupNorm(2, 8)
     x = torch.randn(2, 8, 4, 4, requires_grad=True).to(memory_format=torch.channels_last)
-    with _launches(interpreted) as counts:
+    with triton_launches("cpu") as counts:
         y = layer(x)
         assert sum(counts.values()) == 3
         y.sum().backward()
     assert sum(counts.values()) == 7 and set(counts.values()) == {1}
     layer.requires_grad_(False)
-    with _launches(interpreted) as counts:
+    with triton_launches("cpu") as counts:
         layer(x).sum().backward()
     assert sum(counts.values()) == 6 and "group_norm_param_grads" not in counts
 
@@ -282,3 +261,31 @@ def test_convert_builds_it_and_freeze_returns_torchs() -> None:
     assert {type(m) for m in frozen.modules() if isinstance(m, nn.GroupNorm)} == {nn.GroupNorm}
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(frozen(x), model(x))
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: none visible")
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cuda_group_norm_is_float64_group_norm(layout: str, dtype: torch.dtype) -> None:
+    """The compiled Triton kernels on the GPU against float64, in the input's dtype and layout."""
+    _check_against_reference(_through_autograd, layout, dtype, affine=True, device="cuda")
+
+
+@pytest.mark.cuda
+@needs_gpu
+def test_cuda_resnet50_sized_group_norm_keeps_channels_last_under_autocast() -> None:
+    """ResNet-50's first GroupNorm at batch 32 under bf16 autocast: a bf16 channels_last output
+    (``nn.GroupNorm`` gives float32 NCHW), within two bf16 units of float64 (the statistics
+    merged over hundreds of programs)."""
+    layer = distnorm.GroupNorm(32, 64).cuda()
+    x = (torch.randn(32, 64, 56, 56, device="cuda") * 2 + 1).to(torch.bfloat16, memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+        assert nn.GroupNorm.forward(layer, x).dtype == torch.float32
+    assert y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=torch.channels_last)
+    expected = F.group_norm(x.double(), 32, layer.weight.double(), layer.bias.double())
+    _assert_close(y, expected, torch.bfloat16, "output")
