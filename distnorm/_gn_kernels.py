@@ -24,19 +24,26 @@ input) — as ``batch_norm`` under autocast.
 * :func:`group_norm_cpu`, :func:`group_norm_backward_cpu` — the CPU: the composite, or the
   Triton kernels in Triton's interpreter under ``DISTNORM_TRITON=interpret`` (tests).
 
+Before the Triton kernels first run on a device, they run once on a small input and are
+compared with the composite (:func:`_verified`): a Triton that cannot compile or launch
+there, or whose kernels compute something else, raises an error that names the way back
+(``DISTNORM_TRITON=0``), never a quiet fallback, as for the synchronized layers' kernels.
+
 GroupNorm normalizes each sample by itself: no collective, so a rank's kernel changes no
 other rank's arithmetic.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from distnorm._kernels import _launch, _on_one_device, kernels_for
+from distnorm import _capture
+from distnorm._kernels import _launch, _on_one_device, kernels_for, mode
 
 __all__ = ["group_norm", "group_norm_backward", "group_norm_backward_cpu", "group_norm_backward_cuda",
            "group_norm_backward_fake", "group_norm_cpu", "group_norm_cuda", "group_norm_fake"]
@@ -122,8 +129,40 @@ def _triton_takes(x: Tensor, *others: Optional[Tensor]) -> bool:
             and all(t is None or t.dtype in _TRITON_DTYPES for t in others) and _on_one_device(x, *others))
 
 
+def _probe_inputs(device: torch.device) -> tuple[Tensor, ...]:
+    """A channels_last ``(2, 32, 3, 5)`` input in 4 groups (mean far from 0), parameters and an
+    output gradient, from ramps: the same values on every machine."""
+    ramp = torch.arange(2 * 32 * 3 * 5, dtype=torch.float32, device=device)
+    x = (torch.sin(ramp * 0.37) * 2.0 + 3.0).view(2, 32, 3, 5).to(memory_format=torch.channels_last)
+    grad = torch.cos(ramp * 0.11).view(2, 32, 3, 5).to(memory_format=torch.channels_last)
+    channels = torch.arange(32, dtype=torch.float32, device=device)
+    return x, channels * 0.01 + 0.9, channels * 0.02 - 0.3, grad
+
+
+@functools.lru_cache(maxsize=None)
+def _verified(device: torch.device, triton_mode: str) -> None:
+    """Run the Triton kernels once on ``device`` against the composite (to 1e-5): a failure or
+    a difference raises, and is raised again at every call (only a success is remembered)."""
+    _capture.refuse_capture(device, "the first GroupNorm step's check of its Triton kernels")
+    x, weight, bias, grad = _probe_inputs(device)
+    try:
+        got = _launch("group_norm", device, lambda k: k.group_norm(x, weight, bias, 4, 1e-5))
+        got += _launch("group_norm_backward", device, lambda k: k.group_norm_backward(
+            grad, x, got[1], got[2], weight, 4, [True, True, True]))
+    except RuntimeError as err:
+        raise RuntimeError(f"distnorm.GroupNorm: {err}") from err.__cause__
+    want = group_norm(x, weight, bias, 4, 1e-5)
+    want += group_norm_backward(grad, x, want[1], want[2], weight, 4, [True, True, True])
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not torch.allclose(g.double(), w.double(), rtol=1e-5, atol=1e-5):
+            raise RuntimeError(f"distnorm.GroupNorm: its Triton kernels differ from ATen's GroupNorm on {device} "
+                               f"(result {i}, largest difference {(g.double() - w.double()).abs().max().item():.3g}). "
+                               "Set DISTNORM_TRITON=0 to run ATen's GroupNorm instead.")
+
+
 def _triton_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    _verified(x.device, mode())
     dense = x if _dense_format(x) is not None else x.contiguous()
     y, mean, rstd = _launch("group_norm", x.device, lambda k: k.group_norm(dense, weight, bias, groups, eps))
     return _laid_out_as(y, x), mean, rstd

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import distnorm
-from distnorm import _kernels
+from distnorm import _gn_kernels, _kernels
 from tests.test_fused import triton_launches
 
 #: Largest error against float64, in units of the dtype's epsilon times the output's scale.
@@ -154,6 +154,7 @@ def test_a_layer_step_launches_three_kernels_forward_and_four_backward(interpret
     monkeypatch.setenv("DISTNORM_TRITON", "interpret")
     layer = distnorm.GroupNorm(2, 8)
     x = torch.randn(2, 8, 4, 4, requires_grad=True).to(memory_format=torch.channels_last)
+    layer(x)  # the first step on a device also checks the kernels (their own test: below)
     with triton_launches("cpu") as counts:
         y = layer(x)
         assert sum(counts.values()) == 3
@@ -163,6 +164,30 @@ def test_a_layer_step_launches_three_kernels_forward_and_four_backward(interpret
     with triton_launches("cpu") as counts:
         layer(x).sum().backward()
     assert sum(counts.values()) == 6 and "group_norm_param_grads" not in counts
+
+
+def test_triton_kernels_that_compute_something_else_are_refused(interpreted, monkeypatch) -> None:
+    """Before its first Triton step on a device, GroupNorm runs the kernels on a small input
+    against ATen's: kernels 1 % off raise an error naming ``DISTNORM_TRITON=0``, at every call,
+    not a quiet fallback; the real kernels pass and run."""
+    monkeypatch.setenv("DISTNORM_TRITON", "interpret")
+    real = interpreted.KERNELS["group_norm_stats"]
+
+    class OnePercentOff:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                real[grid](*args, **kwargs)
+                args[2].mul_(1.01)  # rstd
+            return launch
+
+    layer, x = distnorm.GroupNorm(4, 32), torch.randn(2, 32, 3, 3)
+    _gn_kernels._verified.cache_clear()
+    monkeypatch.setitem(interpreted.KERNELS, "group_norm_stats", OnePercentOff())
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="differ from ATen's GroupNorm.*DISTNORM_TRITON=0"):
+            layer(x)
+    monkeypatch.setitem(interpreted.KERNELS, "group_norm_stats", real)
+    torch.testing.assert_close(layer(x), nn.GroupNorm.forward(layer, x), rtol=1e-5, atol=1e-5)
 
 
 def test_layer_is_torchs_group_norm_in_float32() -> None:
