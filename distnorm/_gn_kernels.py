@@ -60,10 +60,10 @@ def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
 def _laid_out_as(result: Tensor, x: Tensor) -> Tensor:
     """``result`` with ``torch.empty_like(x)``'s strides, which the fake kernels promise (ATen's
     CUDA kernel returns NCHW for a channels_last input)."""
-    like = torch.empty_like(x, dtype=result.dtype)
-    if like.stride() == result.stride():
+    if result.stride() == x.stride():  # a fresh result with x's strides: x is dense, as empty_like's
         return result
-    return like.copy_(result)
+    like = torch.empty_like(x, dtype=result.dtype)
+    return result if like.stride() == result.stride() else like.copy_(result)
 
 
 def _spatial(x: Tensor) -> int:
