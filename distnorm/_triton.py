@@ -247,7 +247,7 @@ def _group_norm_moments_kernel(x_ptr, part_ptr, C, S, stride_n, stride_c, stride
 
 
 @triton.jit
-def _group_norm_stats_kernel(part_ptr, mean_ptr, rstd_ptr, C, S, G, slices, rows, eps, BLOCK: tl.constexpr):
+def _group_norm_stats_kernel(part_ptr, mean_ptr, rstd_ptr, C, S, G, slices, rows, eps, inv_m, BLOCK: tl.constexpr):
     # One program per (sample, group): its channels' partials over every slice, merged exactly
     # (the mean of the means by count, then M2 = sum(M2_i + n_i (mean_i - mean)^2)).
     p = tl.program_id(0).to(tl.int64)
@@ -262,8 +262,7 @@ def _group_norm_stats_kernel(part_ptr, mean_ptr, rstd_ptr, C, S, G, slices, rows
         cnt = tl.minimum(rows, S - s * rows).to(tl.float32)
         at = part_ptr + (n * slices + s) * 2 * C + g * per_group + j % per_group
         acc += tl.where(m, cnt * tl.load(at, mask=m, other=0.0), 0.0)
-    total = per_group * S * 1.0
-    mean = tl.reduce(acc, 0, _add) / total
+    mean = tl.reduce(acc, 0, _add) * inv_m
     acc = tl.full([BLOCK], 0.0, tl.float32)
     for j0 in range(0, parts, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
@@ -273,7 +272,7 @@ def _group_norm_stats_kernel(part_ptr, mean_ptr, rstd_ptr, C, S, G, slices, rows
         at = part_ptr + (n * slices + s) * 2 * C + g * per_group + j % per_group
         d = tl.load(at, mask=m, other=0.0) - mean
         acc += tl.where(m, tl.load(at + C, mask=m, other=0.0) + cnt * d * d, 0.0)
-    var = tl.reduce(acc, 0, _add) / total
+    var = tl.reduce(acc, 0, _add) * inv_m
     tl.store(mean_ptr + p, mean)
     tl.store(rstd_ptr + p, tl.div_rn(1.0, tl.sqrt_rn(var + eps)))
 
@@ -311,27 +310,30 @@ def _group_norm_backward_sums_kernel(dy_ptr, x_ptr, mean_ptr, part_ptr, C, S, G,
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
     mean = tl.load(mean_ptr + n * G + c // (C // G), mask=cm, other=0.0)
-    dot = tl.full([BLOCK_C], 0.0, tl.float32)
-    total = tl.full([BLOCK_C], 0.0, tl.float32)
+    dot = tl.full([BLOCK_S, BLOCK_C], 0.0, tl.float32)  # reduced once, after the loop
+    total = tl.full([BLOCK_S, BLOCK_C], 0.0, tl.float32)
     for r0 in range(sl * rows, tl.minimum((sl + 1) * rows, S), BLOCK_S):
         xs, mask = _gn_tile(x_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
         gs, _ = _gn_tile(dy_ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK_S, BLOCK_C)
         g = tl.load(gs, mask=mask, other=0.0).to(tl.float32)
         xc = tl.where(mask, tl.load(xs, mask=mask, other=0.0).to(tl.float32) - mean[None, :], 0.0)
-        dot += tl.reduce(g * xc, 0, _add)
-        total += tl.reduce(g, 0, _add)
+        dot += g * xc
+        total += g
+    dot = tl.reduce(dot, 0, _add)
+    total = tl.reduce(total, 0, _add)
     out = part_ptr + (n * tl.num_programs(1) + sl) * 2 * C + c
     tl.store(out, dot, mask=cm)
     tl.store(out + C, total, mask=cm)
 
 
 @triton.jit
-def _group_norm_backward_coef_kernel(part_ptr, rstd_ptr, w_ptr, coef_ptr, param_ptr, N, C, S, G, slices,
-                                     HAS_W: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per (sample, group): its channels' sums over the slices, then the input
-    # gradient's coefficients, dx = rstd w dy + c2 (x - mean) + c3 with M = C/G * S,
-    # c2 = -rstd^3 sum_c(w dot) / M and c3 = -rstd sum_c(w total) / M, and each channel's
-    # share of the parameters' gradients, (dot rstd, total) (summed over samples afterwards).
+def _group_norm_backward_coef_kernel(part_ptr, rstd_ptr, w_ptr, coef_ptr, param_ptr, N, C, G, slices, inv_m,
+                                     HAS_W: tl.constexpr, BLOCK_SL: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per (sample, group): its channels' sums over the slices (a tile of slices by
+    # channels at a time), then the input gradient's coefficients, dx = rstd w dy +
+    # c2 (x - mean) + c3 with M = C/G * S (inv_m = 1 / M, from the host), c2 = -rstd^3
+    # sum_c(w dot) / M and c3 = -rstd sum_c(w total) / M, and each channel's share of the
+    # parameters' gradients, (dot rstd, total) (summed over samples afterwards).
     p = tl.program_id(0).to(tl.int64)
     n, g = p // G, p % G
     per_group = C // G
@@ -342,21 +344,24 @@ def _group_norm_backward_coef_kernel(part_ptr, rstd_ptr, w_ptr, coef_ptr, param_
         k = c0 + tl.arange(0, BLOCK)
         m = k < per_group
         c = g * per_group + k
-        dot = tl.full([BLOCK], 0.0, tl.float32)
-        total = tl.full([BLOCK], 0.0, tl.float32)
-        for s in range(0, slices):
-            at = part_ptr + (n * slices + s) * 2 * C + c
-            dot += tl.load(at, mask=m, other=0.0)
-            total += tl.load(at + C, mask=m, other=0.0)
+        dot = tl.full([BLOCK_SL, BLOCK], 0.0, tl.float32)
+        total = tl.full([BLOCK_SL, BLOCK], 0.0, tl.float32)
+        for s0 in range(0, slices, BLOCK_SL):
+            s = s0 + tl.arange(0, BLOCK_SL)
+            tile = (s < slices)[:, None] & m[None, :]
+            at = part_ptr + ((n * slices + s[:, None]) * 2) * C + c[None, :]
+            dot += tl.load(at, mask=tile, other=0.0)
+            total += tl.load(at + C, mask=tile, other=0.0)
+        dot_c = tl.reduce(dot, 0, _add)
+        total_c = tl.reduce(total, 0, _add)
         if HAS_W:
             w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
         else:
             w = tl.where(m, 1.0, 0.0)
-        s1 += w * dot
-        s2 += w * total
-        tl.store(param_ptr + n * C + c, dot * rstd, mask=m)
-        tl.store(param_ptr + N * C + n * C + c, total, mask=m)
-    inv_m = 1.0 / (per_group * S * 1.0)
+        s1 += w * dot_c
+        s2 += w * total_c
+        tl.store(param_ptr + n * C + c, dot_c * rstd, mask=m)
+        tl.store(param_ptr + N * C + n * C + c, total_c, mask=m)
     tl.store(coef_ptr + p, -rstd * rstd * rstd * tl.reduce(s1, 0, _add) * inv_m)
     tl.store(coef_ptr + N * G + p, -rstd * tl.reduce(s2, 0, _add) * inv_m)
 
@@ -387,20 +392,22 @@ def _group_norm_backward_input_kernel(dy_ptr, x_ptr, dx_ptr, mean_ptr, rstd_ptr,
 
 @triton.jit
 def _group_norm_param_grads_kernel(param_ptr, dw_ptr, db_ptr, N, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                                   BLOCK: tl.constexpr):
-    # Each channel's shares summed over the samples, in order.
+                                   BLOCK_N: tl.constexpr, BLOCK: tl.constexpr):
+    # Each channel's shares summed over the samples, BLOCK_N at a time, in a fixed order.
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = c < C
-    dw = tl.full([BLOCK], 0.0, tl.float32)
-    db = tl.full([BLOCK], 0.0, tl.float32)
-    for n in range(0, N):
-        dw += tl.load(param_ptr + n * C + c, mask=m, other=0.0)
-        db += tl.load(param_ptr + N * C + n * C + c, mask=m, other=0.0)
+    dw = tl.full([BLOCK_N, BLOCK], 0.0, tl.float32)
+    db = tl.full([BLOCK_N, BLOCK], 0.0, tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        tile = (n < N)[:, None] & m[None, :]
+        at = param_ptr + n[:, None].to(tl.int64) * C + c[None, :]
+        dw += tl.load(at, mask=tile, other=0.0)
+        db += tl.load(at + N * C, mask=tile, other=0.0)
     if HAS_W:
-        tl.store(dw_ptr + c, dw.to(dw_ptr.dtype.element_ty), mask=m)
+        tl.store(dw_ptr + c, tl.reduce(dw, 0, _add).to(dw_ptr.dtype.element_ty), mask=m)
     if HAS_B:
-        tl.store(db_ptr + c, db.to(db_ptr.dtype.element_ty), mask=m)
-
+        tl.store(db_ptr + c, tl.reduce(db, 0, _add).to(db_ptr.dtype.element_ty), mask=m)
 
 #: The compiled kernels by name; tests swap in interpreted ones (``kernels=``).
 KERNELS = {"cbn_plan": _cbn_plan_kernel, "backward_sums": _backward_sums_kernel,
@@ -482,6 +489,8 @@ def bnp_precondition(grad_weight, grad_bias, mean, var_t, q2, groups, kernels=KE
 #: programs for a ResNet-50 batch).
 _GN_TILE = 2048
 _GN_SLICE = 16384
+#: Values a program of the backward's per-group step reads at a time (slices by channels).
+_GN_COEF_TILE = 256
 
 
 def _gn_plan(x):
@@ -520,8 +529,8 @@ def group_norm(x, weight, bias, groups, eps, kernels=KERNELS):
     with _on(x.device):
         kernels["group_norm_moments"][plan["grid"]](x, part, c, s, *plan["strides"], rows, **tiles)
         kernels["group_norm_stats"][(n * groups,)](
-            part, mean, rstd, c, s, groups, slices, rows, eps,
-            BLOCK=min(BLOCK, triton.next_power_of_2(max(slices * (c // groups), 16))))
+            part, mean, rstd, c, s, groups, slices, rows, eps, 1.0 / (c // groups * s),
+            BLOCK=min(BLOCK, triton.next_power_of_2(max(slices * (c // groups), 16))), num_warps=1)
         kernels["group_norm_apply"][plan["grid"]](x, y, mean, rstd, w, b, c, s, groups, *plan["strides"], rows,
                                                   HAS_W=weight is not None, HAS_B=bias is not None, **tiles)
     return y, mean, rstd
@@ -546,13 +555,16 @@ def group_norm_backward(grad_out, x, mean, rstd, weight, groups, mask, kernels=K
     with _on(x.device):
         kernels["group_norm_backward_sums"][plan["grid"]](grad_out, x, mean, part, c, s, groups, *plan["strides"],
                                                           rows, **tiles)
+        per_group = min(_GN_COEF_TILE, triton.next_power_of_2(c // groups))
         kernels["group_norm_backward_coef"][(n * groups,)](
-            part, rstd, w, coef, param, n, c, s, groups, slices, HAS_W=weight is not None,
-            BLOCK=min(BLOCK, triton.next_power_of_2(max(c // groups, 16))))
+            part, rstd, w, coef, param, n, c, groups, slices, 1.0 / (c // groups * s), HAS_W=weight is not None,
+            BLOCK_SL=max(1, min(triton.next_power_of_2(slices), _GN_COEF_TILE // per_group)), BLOCK=per_group,
+            num_warps=1)
         kernels["group_norm_backward_input"][plan["grid"]](grad_out, x, grad_x, mean, rstd, w, coef, n, c, s, groups,
                                                            *plan["strides"], rows, HAS_W=weight is not None, **tiles)
         if mask[1] or mask[2]:
-            kernels["group_norm_param_grads"][(triton.cdiv(c, BLOCK),)](
+            block = min(32, triton.next_power_of_2(c))
+            kernels["group_norm_param_grads"][(triton.cdiv(c, block),)](
                 param, grad_w if mask[1] else param, grad_b if mask[2] else param, n, c, HAS_W=bool(mask[1]),
-                HAS_B=bool(mask[2]), BLOCK=_block(c))
+                HAS_B=bool(mask[2]), BLOCK_N=min(32, triton.next_power_of_2(n)), BLOCK=block, num_warps=1)
     return grad_x, grad_w, grad_b
