@@ -54,7 +54,7 @@ def _acc(x: Tensor) -> torch.dtype:
 
 
 def _cast(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    return t.to(dtype) if t is not None else None
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 def _laid_out_as(result: Tensor, x: Tensor) -> Tensor:
@@ -70,6 +70,9 @@ def _spatial(x: Tensor) -> int:
     return math.prod(x.shape[2:])
 
 
+_native_group_norm_backward = torch.ops.aten.native_group_norm_backward.default  # no torch.* binding
+
+
 def group_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
                eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """``distnorm::group_norm`` on every device: ``(y, mean, rstd)``, ``y = (x - mean_g) rstd_g
@@ -77,9 +80,9 @@ def group_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], grou
     (biased variance); ``y`` in ``x``'s dtype and layout, ``mean`` and ``rstd`` ``(N, groups)``
     in the accumulation dtype."""
     acc = _acc(x)
-    y, mean, rstd = torch.native_group_norm(x.to(acc), _cast(weight, acc), _cast(bias, acc), x.shape[0], x.shape[1],
-                                            _spatial(x), groups, eps)
-    return _laid_out_as(y.to(x.dtype), x), mean, rstd
+    y, mean, rstd = torch.native_group_norm(_cast(x, acc), _cast(weight, acc), _cast(bias, acc), x.shape[0],
+                                            x.shape[1], _spatial(x), groups, eps)
+    return _laid_out_as(_cast(y, x.dtype), x), mean, rstd
 
 
 def group_norm_backward(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
@@ -88,12 +91,11 @@ def group_norm_backward(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
     grad_bias)``, the input's in ``x``'s dtype and layout, the parameters' in the weight's dtype
     (the accumulation dtype without one), empty where ``mask`` does not ask for them."""
     acc = mean.dtype
-    grads = torch.ops.aten.native_group_norm_backward(grad_out.to(acc), x.to(acc), mean, rstd, _cast(weight, acc),
-                                                      x.shape[0], x.shape[1], _spatial(x), groups,
-                                                      [True, bool(mask[1]), bool(mask[2])])
+    grads = _native_group_norm_backward(_cast(grad_out, acc), _cast(x, acc), mean, rstd, _cast(weight, acc),
+                                        x.shape[0], x.shape[1], _spatial(x), groups, [True, bool(mask[1]), bool(mask[2])])
     pdt = weight.dtype if weight is not None else acc
-    params = tuple(g.to(pdt) if asked else x.new_empty(0, dtype=pdt) for g, asked in zip(grads[1:], mask[1:]))
-    return _laid_out_as(grads[0].to(x.dtype), x), *params
+    params = tuple(_cast(g, pdt) if asked else x.new_empty(0, dtype=pdt) for g, asked in zip(grads[1:], mask[1:]))
+    return _laid_out_as(_cast(grads[0], x.dtype), x), *params
 
 
 def group_norm_fake(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
@@ -213,7 +215,7 @@ def group_norm_cpu(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
     """``distnorm::group_norm`` on the CPU: the composite (ATen's CPU kernel keeps
     channels_last), or the Triton kernels in Triton's interpreter under
     ``DISTNORM_TRITON=interpret``."""
-    if _triton_takes(x, weight, bias) and kernels_for(x.device)[0] is not None:
+    if mode() == "interpret" and _triton_takes(x, weight, bias) and kernels_for(x.device)[0] is not None:
         return _triton_forward(x, weight, bias, groups, eps)
     return group_norm(x, weight, bias, groups, eps)
 
@@ -221,7 +223,7 @@ def group_norm_cpu(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], 
 def group_norm_backward_cpu(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
                             groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """``distnorm::group_norm_backward`` on the CPU: as :func:`group_norm_cpu`."""
-    if (_triton_takes(x, weight, grad_out) and mean.dtype == torch.float32
+    if (mode() == "interpret" and _triton_takes(x, weight, grad_out) and mean.dtype == torch.float32
             and kernels_for(x.device)[0] is not None):
         return _triton_backward(grad_out, x, mean, rstd, weight, groups, mask)
     return group_norm_backward(grad_out, x, mean, rstd, weight, groups, mask)
