@@ -15,6 +15,7 @@ and, with ``dot = sum(w_c dy (x - mean))`` and ``total = sum(w_c dy)`` over the 
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 import torch
@@ -36,8 +37,13 @@ def check_group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor], bias:
     if x.dim() < 2:
         raise ValueError(f"group_norm: expected an input of shape (N, C, *), got shape {tuple(x.shape)}")
     channels = x.shape[1]
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+    try:
+        groups = operator.index(num_groups)  # an int, or what stands for one (numpy's integers)
+    except TypeError:
+        groups = 0
+    if isinstance(num_groups, bool) or groups <= 0:
         raise ValueError(f"group_norm: num_groups must be a positive int, got {num_groups!r}")
+    num_groups = groups
     if channels % num_groups:
         raise ValueError(f"group_norm: the input's {channels} channels (dim 1) are not divisible by "
                          f"num_groups={num_groups}; choose a num_groups that divides {channels}")
@@ -50,9 +56,10 @@ def check_group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor], bias:
 
 
 class GroupNormFunction(torch.autograd.Function):
-    """``y`` of ``distnorm::group_norm``; its backward is ``distnorm::group_norm_backward``
-    (once differentiable). The saved statistics are ``(N, G)``: activation checkpointing and
-    ``torch.compile`` see one operator each way."""
+    """``y`` of ``distnorm::group_norm``; its backward is ``distnorm::group_norm_backward``,
+    once differentiable (a second derivative, a gradient penalty through the layer, is refused:
+    ``nn.GroupNorm`` has one), and not for ``torch.func``'s transforms. The saved statistics are
+    ``(N, G)``: activation checkpointing and ``torch.compile`` see one operator each way."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
@@ -77,4 +84,4 @@ def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias
     """``torch.nn.functional.group_norm``'s arguments and result, computed in ``x``'s layout
     and dtype (float32 arithmetic; float64 for float64), under autocast too."""
     check_group_norm(x, num_groups, weight, bias)
-    return GroupNormFunction.apply(x, weight, bias, num_groups, float(eps))
+    return GroupNormFunction.apply(x, weight, bias, operator.index(num_groups), float(eps))

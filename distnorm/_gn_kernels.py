@@ -18,7 +18,7 @@ input) — as ``batch_norm`` under autocast.
   parameters cast to it, which is what CUDA's kernel demands (one dtype) given everywhere;
   the results cast back to the input's (the parameters') dtype and laid out as the input.
 * :func:`group_norm_cuda`, :func:`group_norm_backward_cuda` — CUDA: the Triton kernels of
-  :mod:`distnorm._triton` (three launches forward, four backward, as ATen's), reading the
+  :mod:`distnorm._triton` (three launches forward, four backward), reading the
   input through its strides, for a non-empty float32 / bfloat16 / float16 input; else the
   composite.
 * :func:`group_norm_cpu`, :func:`group_norm_backward_cpu` — the CPU: the composite, or the
@@ -89,13 +89,14 @@ def group_norm_backward(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor,
                         groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
     """``distnorm::group_norm_backward`` on every device: ``(grad_input, grad_weight,
     grad_bias)``, the input's in ``x``'s dtype and layout, the parameters' in the weight's dtype
-    (the accumulation dtype without one), empty where ``mask`` does not ask for them."""
+    (the accumulation dtype without one; autograd casts a bias of another dtype), each empty
+    where ``mask`` does not ask for it."""
     acc = mean.dtype
     grads = _native_group_norm_backward(_cast(grad_out, acc), _cast(x, acc), mean, rstd, _cast(weight, acc),
-                                        x.shape[0], x.shape[1], _spatial(x), groups, [True, bool(mask[1]), bool(mask[2])])
+                                        x.shape[0], x.shape[1], _spatial(x), groups, [bool(m) for m in mask])
     pdt = weight.dtype if weight is not None else acc
     params = tuple(_cast(g, pdt) if asked else x.new_empty(0, dtype=pdt) for g, asked in zip(grads[1:], mask[1:]))
-    return _laid_out_as(_cast(grads[0], x.dtype), x), *params
+    return (_laid_out_as(_cast(grads[0], x.dtype), x) if mask[0] else x.new_empty(0)), *params
 
 
 def group_norm_fake(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
@@ -107,7 +108,8 @@ def group_norm_fake(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
 def group_norm_backward_fake(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
                              groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
     pdt = weight.dtype if weight is not None else mean.dtype
-    return (torch.empty_like(x), *(x.new_empty(x.shape[1] if asked else 0, dtype=pdt) for asked in mask[1:]))
+    return (torch.empty_like(x) if mask[0] else x.new_empty(0),
+            *(x.new_empty(x.shape[1] if asked else 0, dtype=pdt) for asked in mask[1:]))
 
 
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -182,13 +184,14 @@ def _triton_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
 
 def _triton_backward(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
                      groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
+    _verified(x.device, mode())  # the forward may have taken the composite (a parameter's dtype)
     fmt = _dense_format(x)
     dense = x if fmt is not None else x.contiguous()
     fmt = fmt or torch.contiguous_format
     grad = grad_out if grad_out.stride() == dense.stride() else grad_out.contiguous(memory_format=fmt)
     grad_x, grad_w, grad_b = _launch("group_norm_backward", x.device, lambda k: k.group_norm_backward(
         grad, dense, mean.contiguous(), rstd.contiguous(), weight, groups, mask))
-    return _laid_out_as(grad_x, x), grad_w, grad_b
+    return (_laid_out_as(grad_x, x) if mask[0] else grad_x), grad_w, grad_b
 
 
 def group_norm_cuda(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], groups: int,
@@ -202,8 +205,9 @@ def group_norm_cuda(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
 
 def group_norm_backward_cuda(grad_out: Tensor, x: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
                              groups: int, mask: Sequence[bool]) -> tuple[Tensor, Tensor, Tensor]:
-    """``distnorm::group_norm_backward`` on CUDA: the kernels the forward ran (the same test on
-    the same tensors, float32 statistics), else the composite."""
+    """``distnorm::group_norm_backward`` on CUDA: the Triton kernels for the cases they take
+    (float32 statistics; the bias is not an argument here, so a forward that took the composite
+    for its bias's dtype may come back to them), else the composite."""
     if (_triton_takes(x, weight, grad_out) and mean.dtype == torch.float32
             and kernels_for(x.device)[0] is not None):
         return _triton_backward(grad_out, x, mean, rstd, weight, groups, mask)

@@ -198,7 +198,7 @@ def _bnp_precondition_kernel(gw_ptr, gb_ptr, mu_ptr, vt_ptr, q2_ptr, out_w_ptr, 
         tl.store(out_b_ptr + d, (tl.div_rn(g, q2) - tl.reduce(acc, 0, _add)).to(out_b_ptr.dtype.element_ty))
 
 
-# GroupNorm in the input's own layout and dtype (distnorm._kernels.group_norm_cuda says when).
+# GroupNorm in the input's own layout and dtype (distnorm._gn_kernels.group_norm_cuda says when).
 # The input is read as (N, C, S), S the spatial positions, through its strides: NCHW has
 # (C S, S, 1), channels_last (S C, 1, C). Each pass tiles one sample's (S, C) plane into
 # slices of `rows` positions by blocks of BLOCK_C channels, a program each (grid (N, slices,
@@ -539,14 +539,15 @@ def group_norm(x, weight, bias, groups, eps, kernels=KERNELS):
 def group_norm_backward(grad_out, x, mean, rstd, weight, groups, mask, kernels=KERNELS):
     """The CUDA kernels of ``distnorm::group_norm_backward``, for ``grad_out`` with ``x``'s
     strides (the caller's contract): ``(grad_input, grad_weight, grad_bias)``, the parameters'
-    in the weight's dtype (float32 without one), empty where ``mask`` does not ask. Four
-    launches: the slices' sums, the groups' coefficients, the input gradient, the parameters'."""
+    in the weight's dtype (float32 without one), each empty where ``mask`` does not ask. Up to
+    four launches: the slices' sums, the groups' coefficients, the input gradient, the
+    parameters'."""
     plan = _gn_plan(x)
     n, c, s, rows, slices = plan["n"], plan["c"], plan["s"], plan["rows"], plan["slices"]
     part = torch.empty(n, slices, 2, c, dtype=torch.float32, device=x.device)
     coef = torch.empty(2, n, groups, dtype=torch.float32, device=x.device)
     param = torch.empty(2, n, c, dtype=torch.float32, device=x.device)
-    grad_x = torch.empty_like(x)
+    grad_x = torch.empty_like(x) if mask[0] else x.new_empty(0)
     w = weight.contiguous() if weight is not None else mean
     pdt = weight.dtype if weight is not None else torch.float32
     grad_w = torch.empty(c if mask[1] else 0, dtype=pdt, device=x.device)
@@ -560,8 +561,10 @@ def group_norm_backward(grad_out, x, mean, rstd, weight, groups, mask, kernels=K
             part, rstd, w, coef, param, n, c, groups, slices, 1.0 / (c // groups * s), HAS_W=weight is not None,
             BLOCK_SL=max(1, min(triton.next_power_of_2(slices), _GN_COEF_TILE // per_group)), BLOCK=per_group,
             num_warps=1)
-        kernels["group_norm_backward_input"][plan["grid"]](grad_out, x, grad_x, mean, rstd, w, coef, n, c, s, groups,
-                                                           *plan["strides"], rows, HAS_W=weight is not None, **tiles)
+        if mask[0]:
+            kernels["group_norm_backward_input"][plan["grid"]](grad_out, x, grad_x, mean, rstd, w, coef, n, c, s,
+                                                               groups, *plan["strides"], rows,
+                                                               HAS_W=weight is not None, **tiles)
         if mask[1] or mask[2]:
             block = min(32, triton.next_power_of_2(c))
             kernels["group_norm_param_grads"][(triton.cdiv(c, block),)](

@@ -11,7 +11,8 @@ on models they own, not only on ours.
   order, with a warning listing the pairs it chose.
 * ``"bn"`` swaps each BatchNorm for :class:`distnorm.SyncBatchNorm` in place, sharing the
   same Parameter and buffer objects (``state_dict`` keys and values unchanged).
-* ``"gn"`` swaps each BatchNorm for ``nn.GroupNorm`` (for BNP + GN); ``"none"`` removes them.
+* ``"gn"`` swaps each BatchNorm for :class:`distnorm.GroupNorm` (an ``nn.GroupNorm``, for BNP +
+  GN); ``"none"`` removes them.
 * **Fused norm + activation** modules (timm's ``BatchNormAct2d`` / ``SyncBatchNormAct``: a
   BatchNorm subclass with ``drop`` and ``act`` children, applied after the normalization)
   keep their activation: ``"bn"`` / ``"gn"`` make the new norm a :class:`SyncBatchNormAct`

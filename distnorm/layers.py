@@ -435,9 +435,10 @@ class GroupNorm(nn.GroupNorm):
     input's layout and dtype: :func:`distnorm.functional.group_norm`.
 
     On CUDA, PyTorch's GroupNorm copies a channels_last input to NCHW and, under autocast,
-    runs in float32 (its output too); this one keeps channels_last and the autocast dtype,
-    with float32 arithmetic and float32 parameters, as ``BatchNorm2d`` does under autocast.
-    Not synchronized: its statistics are each sample's own.
+    runs in float32 (its output too); this one keeps its input's layout and dtype (under
+    autocast, the dtype the convolution before it gave), with float32 arithmetic and float32
+    parameters, as ``BatchNorm2d`` does under autocast. Not synchronized: its statistics are
+    each sample's own. Differentiable once, and not under ``torch.func``'s transforms.
 
     Example:
         >>> layer = GroupNorm(4, 8)

@@ -19,7 +19,7 @@ from distnorm.convert import ACTIVATION_MODULES, BATCH_NORMS, NORMS, PreNorm
 from tests.distributed import run_distributed
 
 INPUT = {"resnet18": 64, "resnet50": 64, "efficientnet_b0": 64, "resnet20": 32, "vgg16": 32}
-NORM_TYPE = {"cbn": distnorm.CBN, "popnorm": distnorm.POPNorm, "bn": distnorm.SyncBatchNorm, "gn": nn.GroupNorm}
+NORM_TYPE = {"cbn": distnorm.CBN, "popnorm": distnorm.POPNorm, "bn": distnorm.SyncBatchNorm, "gn": distnorm.GroupNorm}
 
 
 def _count(model: nn.Module, kind) -> int:

@@ -149,8 +149,8 @@ def test_triton_kernels_slice_a_channels_last_sample(small_tiles) -> None:
 
 def test_a_layer_step_launches_three_kernels_forward_and_four_backward(interpreted, monkeypatch) -> None:
     """What a GPU pays per GroupNorm step through the operators: three launches forward (the
-    slices' moments, the groups' statistics, the output) and four backward, as ATen's CUDA
-    GroupNorm; three backward when the parameters need no gradient."""
+    slices' moments, the groups' statistics, the output) and four backward; three backward when
+    the parameters need no gradient, or the input none."""
     monkeypatch.setenv("DISTNORM_TRITON", "interpret")
     layer = distnorm.GroupNorm(2, 8)
     x = torch.randn(2, 8, 4, 4, requires_grad=True).to(memory_format=torch.channels_last)
@@ -164,6 +164,10 @@ def test_a_layer_step_launches_three_kernels_forward_and_four_backward(interpret
     with triton_launches("cpu") as counts:
         layer(x).sum().backward()
     assert sum(counts.values()) == 6 and "group_norm_param_grads" not in counts
+    layer.requires_grad_(True)
+    with triton_launches("cpu") as counts:
+        layer(x.detach()).sum().backward()  # the input needs no gradient: its kernel is skipped
+    assert sum(counts.values()) == 6 and "group_norm_backward_input" not in counts
 
 
 def test_triton_kernels_that_compute_something_else_are_refused(interpreted, monkeypatch) -> None:
@@ -242,6 +246,19 @@ def test_empty_batch() -> None:
 def test_bad_arguments_are_named(call, message: str) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         call()
+
+
+def test_numpy_group_counts_and_a_second_derivative() -> None:
+    """``num_groups`` may be any integer type ``F.group_norm`` takes (numpy's); a second
+    derivative is refused by name (``once_differentiable``), not computed wrong."""
+    import numpy as np
+
+    x = torch.randn(2, 6, 3, requires_grad=True)
+    y = distnorm.functional.group_norm(x, np.int64(3))
+    assert torch.equal(y, distnorm.functional.group_norm(x, 3))
+    (grad,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        grad.sum().backward()
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
