@@ -219,6 +219,20 @@ def _gn_tile(ptr, n, sl, cb, C, S, stride_n, stride_c, stride_s, rows, r0, BLOCK
 
 
 @triton.jit
+def _gn_channels(mean_ptr, rstd_ptr, w_ptr, n, cb, C, G, HAS_W: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Channel block ``cb`` of sample ``n``: its channels, their mask, their groups' index
+    into the ``(N, G)`` statistics, each channel's group mean and ``rstd * w``."""
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    grp = n * G + c // (C // G)
+    mean = tl.load(mean_ptr + grp, mask=cm, other=0.0)
+    scale = tl.load(rstd_ptr + grp, mask=cm, other=0.0)
+    if HAS_W:
+        scale = scale * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    return c, cm, grp, mean, scale
+
+
+@triton.jit
 def _group_norm_moments_kernel(x_ptr, part_ptr, C, S, stride_n, stride_c, stride_s, rows,
                                BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     # Per channel of the slice: (mean, M2) over its positions, tile by tile with Chan's update
@@ -283,13 +297,7 @@ def _group_norm_apply_kernel(x_ptr, y_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, C, 
                              BLOCK_C: tl.constexpr):
     # y = (x - mean) * (rstd * w) + b, the output in its own dtype and the input's strides.
     n, sl, cb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = c < C
-    grp = n * G + c // (C // G)
-    mean = tl.load(mean_ptr + grp, mask=cm, other=0.0)
-    scale = tl.load(rstd_ptr + grp, mask=cm, other=0.0)
-    if HAS_W:
-        scale = scale * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    c, cm, _, mean, scale = _gn_channels(mean_ptr, rstd_ptr, w_ptr, n, cb, C, G, HAS_W, BLOCK_C)
     if HAS_B:
         shift = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
     else:
@@ -371,13 +379,7 @@ def _group_norm_backward_input_kernel(dy_ptr, x_ptr, dx_ptr, mean_ptr, rstd_ptr,
                                       stride_n, stride_c, stride_s, rows, HAS_W: tl.constexpr,
                                       BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     n, sl, cb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    cm = c < C
-    grp = n * G + c // (C // G)
-    mean = tl.load(mean_ptr + grp, mask=cm, other=0.0)
-    c1 = tl.load(rstd_ptr + grp, mask=cm, other=0.0)
-    if HAS_W:
-        c1 = c1 * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+    _, cm, grp, mean, c1 = _gn_channels(mean_ptr, rstd_ptr, w_ptr, n, cb, C, G, HAS_W, BLOCK_C)
     c2 = tl.load(coef_ptr + grp, mask=cm, other=0.0)
     c3 = tl.load(coef_ptr + N * G + grp, mask=cm, other=0.0)
     for r0 in range(sl * rows, tl.minimum((sl + 1) * rows, S), BLOCK_S):
